@@ -1,0 +1,110 @@
+"""Custom VJP as a transform: a forward with residuals and a backward become one differentiable call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._invocation import merge_static, split_static
+
+__all__ = ["call_with_custom_vjp", "custom_vjp"]
+
+
+def _zero_cotangent(x: Any) -> Any:
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros(x.shape, x.dtype)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)  # integer and bool inputs take no gradient
+
+
+def _grad_for(grads: Any, where: int | str, count: int) -> Any:
+    if isinstance(grads, Mapping):
+        return grads.get(where)
+    if isinstance(where, str):
+        return None
+    if not isinstance(grads, (tuple, list)) or len(grads) != count:
+        raise TypeError(
+            f"bwd must return a tuple with one gradient per positional argument ({count}), or a "
+            f"mapping from position/keyword to gradient; got {type(grads).__name__} of length "
+            f"{len(grads) if hasattr(grads, '__len__') else '?'}"
+        )
+    return grads[where]
+
+
+def custom_vjp(
+    fwd: Callable[..., tuple[Any, Any]], bwd: Callable[[Any, Any], Any]
+) -> Callable[..., Any]:
+    """A function computing ``fwd(*args, **kwargs)[0]`` whose gradient is given by ``bwd``.
+
+    ``fwd`` returns ``(out, residuals)``; ``bwd(residuals, cotangent)`` returns one gradient per
+    positional argument (a tuple; ``None`` for none), or a mapping from position or keyword name to
+    gradient, so keyword arrays such as a bias get gradients too. Arrays of any argument are
+    differentiable; everything else is static and never differentiated.
+
+    >>> import jax, jax.numpy as jnp, ejkfn
+    >>> square = ejkfn.custom_vjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
+    >>> float(jax.grad(square)(3.0))
+    6.0
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        dynamic, static = split_static((args, kwargs))
+        treedef, leaves = static
+        # Which dynamic leaf belongs to which argument, to place the gradients bwd returns.
+        owners: list[int | str] = []
+        for where, value in [*enumerate(args), *sorted(kwargs.items())]:
+            owners += [where] * len(split_static(value)[0])
+
+        @jax.custom_vjp
+        def f(*dyn: Any) -> Any:
+            a, kw = merge_static(list(dyn), static)
+            return fwd(*a, **kw)[0]
+
+        def f_fwd(*dyn: Any) -> tuple[Any, Any]:
+            a, kw = merge_static(list(dyn), static)
+            out, res = fwd(*a, **kw)
+            return out, (res, dyn)
+
+        def f_bwd(saved: Any, g: Any) -> tuple[Any, ...]:
+            res, dyn = saved
+            grads = bwd(res, g)
+            out: list[Any] = []
+            cursor: dict[int | str, list[Any] | None] = {}
+            for i, where in enumerate(owners):
+                if where not in cursor:
+                    gw = _grad_for(grads, where, len(args))
+                    cursor[where] = None if gw is None else list(jax.tree.leaves(gw))
+                pending = cursor[where]
+                if pending is None:
+                    out.append(_zero_cotangent(dyn[i]))
+                else:
+                    if not pending:
+                        raise ValueError(
+                            f"bwd returned too few gradient leaves for argument {where!r}"
+                        )
+                    grad = pending.pop(0)
+                    if jnp.issubdtype(dyn[i].dtype, jnp.inexact):
+                        out.append(jnp.asarray(grad, dyn[i].dtype).reshape(dyn[i].shape))
+                    else:
+                        out.append(_zero_cotangent(dyn[i]))
+            return tuple(out)
+
+        f.defvjp(f_fwd, f_bwd)
+        return f(*dynamic)
+
+    return call
+
+
+def call_with_custom_vjp(kernel: Any, cfg: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
+    """Call a kernel that defines ``fwd``/``bwd`` so that its backward gives the gradients."""
+
+    def fwd(*a: Any, **kw: Any) -> tuple[Any, Any]:
+        return kernel.fwd(*a, cfg=cfg, **kw)
+
+    def bwd(res: Any, g: Any) -> Any:
+        return kernel.bwd(res, g, cfg=cfg)
+
+    return custom_vjp(fwd, bwd)(*args, **kwargs)
