@@ -1,0 +1,164 @@
+"""Platform machinery: block-size parameters, a registry of implementations, platform detection."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any, Literal
+
+from ._platform import device_kind
+
+__all__ = [
+    "Backend",
+    "BwdParams",
+    "FwdParams",
+    "KernelConfig",
+    "Platform",
+    "available_platforms",
+    "detect_platform",
+    "get_kernel",
+    "register_kernel",
+]
+
+
+class Platform(enum.StrEnum):
+    """Implementation families."""
+
+    TRITON = "triton"
+    PALLAS = "pallas"
+    CUDNN = "cudnn"
+    CUDA = "cuda"
+    XLA = "xla"
+    AUTO = "auto"
+
+
+class Backend(enum.StrEnum):
+    """Hardware a registered implementation runs on."""
+
+    GPU = "gpu"
+    TPU = "tpu"
+    CPU = "cpu"
+    ANY = "any"
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FwdParams:
+    """Block sizes and launch parameters of a forward pass."""
+
+    q_blocksize: int = 128
+    kv_blocksize: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(self, "q_blocksize", "kv_blocksize", "num_warps", "num_stages")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BwdParams:
+    """Block sizes and launch parameters of a backward pass."""
+
+    q_blocksize: int = 64
+    kv_blocksize: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        _positive(self, "q_blocksize", "kv_blocksize", "num_warps", "num_stages")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class KernelConfig:
+    """The reference's shared kernel config: block sizes, launch parameters, platform."""
+
+    block_q: int = 128
+    block_k: int = 128
+    block_d: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    platform: str = "auto"
+    backend: str = "any"
+    algorithm: str | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_q", "block_k", "block_d", "num_warps", "num_stages")
+        Platform(self.platform)
+        Backend(self.backend)
+
+
+# (algorithm, platform, backend) -> implementation. Filled at import time of the operation packages
+# (a table of code, like a module's functions), never by selection.
+_REGISTRY: dict[tuple[str, str, str], Callable[..., Any]] = {}
+
+
+def register_kernel(
+    algorithm: str, platform: str, backend: str = "any"
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator registering an implementation of ``algorithm`` for ``platform`` and ``backend``."""
+    key = (algorithm, Platform(platform).value, Backend(backend).value)
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        _REGISTRY[key] = fn
+        return fn
+
+    return wrap
+
+
+def get_kernel(algorithm: str, platform: str, backend: str | None = None) -> Callable[..., Any]:
+    """The implementation registered for ``algorithm`` on ``platform`` (this device's backend first)."""
+    backend = backend or device_kind()
+    for b in (backend, "any"):
+        fn = _REGISTRY.get((algorithm, platform, b))
+        if fn is not None:
+            return fn
+    raise ValueError(
+        f"no implementation of {algorithm!r} for platform={platform!r} on backend={backend!r}; "
+        f"registered: {sorted(p for a, p, _ in _REGISTRY if a == algorithm)}"
+    )
+
+
+def available_platforms(algorithm: str, backend: str | None = None) -> list[str]:
+    """Platforms with an implementation of ``algorithm`` for ``backend`` (default: this device)."""
+    backend = backend or device_kind()
+    return sorted({p for a, p, b in _REGISTRY if a == algorithm and b in (backend, "any")})
+
+
+_PREFERENCE = {
+    "gpu": ("triton", "pallas", "cudnn", "xla"),
+    "tpu": ("pallas", "xla"),
+    "cpu": ("xla",),
+}
+
+
+def detect_platform(
+    algorithm: str,
+    platform: Literal["triton", "pallas", "cudnn", "cuda", "xla", "auto"] | None = "auto",
+    backend: str | None = None,
+) -> Platform:
+    """The platform to run ``algorithm`` on: the one asked for, or the best available here.
+
+    Raises ``ValueError`` when an explicitly requested platform has no implementation.
+    """
+    backend = backend or device_kind()
+    available = available_platforms(algorithm, backend)
+    if platform not in (None, "auto"):
+        requested = Platform(platform).value
+        if requested not in available:
+            raise ValueError(
+                f"platform={platform!r} is not available for {algorithm!r} on "
+                f"{backend!r}; available: {available}"
+            )
+        return Platform(requested)
+    for candidate in _PREFERENCE[backend]:
+        if candidate in available:
+            return Platform(candidate)
+    raise ValueError(f"no platform implements {algorithm!r} on {backend!r}")

@@ -1,0 +1,118 @@
+"""What each attention platform module provides, and how it is found."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._registry import BwdParams, FwdParams, available_platforms, get_kernel, register_kernel
+from ._spec import AttentionSpec
+
+__all__ = ["ALGORITHM", "AttentionBackend", "AttentionShape", "backend_for", "register_backend"]
+
+ALGORITHM = "flash_attention"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionShape:
+    """The sizes of a call, for heuristics and for filtering candidates that cannot work."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    spec: AttentionSpec
+
+    @classmethod
+    def of(cls, q: Any, k: Any, spec: AttentionSpec) -> AttentionShape:
+        return cls(
+            batch=q.shape[0],
+            seq_q=q.shape[1],
+            seq_k=k.shape[1],
+            heads=q.shape[2],
+            kv_heads=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=np.dtype(q.dtype).name,
+            spec=spec,
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionBackend:
+    """One implementation of the backend contract in ``_spec.py``.
+
+    Attributes:
+        platform: ``"xla"``, ``"pallas"``, ``"triton"`` or ``"cudnn"``.
+        variant: which implementation of the platform (``"dense"``, ``"chunked"``, ``"triton"``,
+            ``"mosaic"``, ``"tpu"``, ...).
+        devices: device kinds where it runs natively (elsewhere only in an interpreter, for tests).
+        fwd, bwd: the contract's functions; both take ``spec=``, ``params=`` and ``interpret=``.
+        unsupported: feature names (``AttentionSpec.features``) it refuses.
+        heuristic: params for a shape, without measuring.
+        candidates: params the tuner may try for a shape (already filtered to ones that can work).
+        available: whether it can run on this device at all (e.g. cuDNN needs a GPU).
+    """
+
+    platform: str
+    variant: str
+    devices: tuple[str, ...]
+    fwd: Callable[..., tuple[jax.Array, jax.Array]]
+    bwd: Callable[..., tuple[Any, Any, Any, Any]]
+    unsupported: frozenset[str] = frozenset()
+    heuristic: Callable[[AttentionShape], tuple[FwdParams, BwdParams]]
+    candidates: Callable[[AttentionShape], Sequence[tuple[FwdParams, BwdParams]]]
+    available: Callable[[], bool] = lambda: True
+
+    def check(self, spec: AttentionSpec) -> None:
+        """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks."""
+        missing = sorted(spec.features & self.unsupported)
+        if missing:
+            raise NotImplementedError(
+                f"platform {self.platform!r} ({self.variant}) does not support {', '.join(missing)}"
+            )
+
+
+def register_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Register ``backend`` for each device kind it runs on (and as ``any`` for interpreters)."""
+    table = _variants.setdefault(backend.platform, {})
+    table[backend.variant] = backend
+    for device in (*backend.devices, "any"):
+        register_kernel(ALGORITHM, backend.platform, device)(_Dispatch(backend.platform))
+    return backend
+
+
+# platform -> variant -> backend
+_variants: dict[str, dict[str, AttentionBackend]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatch:
+    platform: str
+
+
+def backend_for(platform: str, variant: str | None = None) -> AttentionBackend:
+    """The backend of ``platform`` (and ``variant``; default: the first registered that is available)."""
+    get_kernel(ALGORITHM, platform, "any")  # raises a clear error for unknown platforms
+    table = _variants[platform]
+    if variant is not None:
+        if variant not in table:
+            raise ValueError(
+                f"platform {platform!r} has no variant {variant!r}; has {sorted(table)}"
+            )
+        return table[variant]
+    for backend in table.values():
+        if backend.available():
+            return backend
+    return next(iter(table.values()))
+
+
+def platforms() -> list[str]:
+    """Registered attention platforms."""
+    return available_platforms(ALGORITHM, "any")
