@@ -19,6 +19,8 @@ from ._batch import shard_map_with_config as shard_map_with_config
 from ._batch import vmap_with_config as vmap_with_config
 from ._cache import Caches as Caches
 from ._cache import ConfigCache as ConfigCache
+from ._compile import compile as compile
+from ._compile import configure_tree as configure_tree
 from ._invocation import Invocation as Invocation
 from ._kernel import Kernel as Kernel
 from ._labels import Label as Label
@@ -26,6 +28,9 @@ from ._labels import extract_labels_from_hlo_text as extract_labels_from_hlo_tex
 from ._labels import find_labels_in_lowered as find_labels_in_lowered
 from ._labels import label as label
 from ._labels import labels_to_configs as labels_to_configs
+from ._offline import AutotuningResult as AutotuningResult
+from ._offline import autotune_lowered as autotune_lowered
+from ._offline import autotune_recorded as autotune_recorded
 from ._persistent import CacheCorruptionWarning as CacheCorruptionWarning
 from ._persistent import PersistentCache as PersistentCache
 from ._persistent import default_cache_dir as default_cache_dir
@@ -35,6 +40,7 @@ from ._platform import get_device_platform as get_device_platform
 from ._platform import sharding_fingerprint as sharding_fingerprint
 from ._platform import software_versions as software_versions
 from ._policy import AutotunePolicy as AutotunePolicy
+from ._record import Recorder as Recorder
 from ._record import clear_recorded as clear_recorded
 from ._record import get_invocations as get_invocations
 from ._record import record as record

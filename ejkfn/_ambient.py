@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
+
+from jax._src import config as _jax_config
 
 from ._cache import Caches
 from ._policy import AutotunePolicy
@@ -70,11 +73,32 @@ def default_caches() -> Caches:
     return current_session().caches
 
 
+# JAX reuses a function's trace while its cache key is unchanged, and the ambient session is not
+# part of that key: a program re-traced under an overlay would keep the configs of its first trace.
+# Each change of the session enters a fresh value of this state, which JAX includes in its keys.
+_EPOCH = _jax_config.int_state(
+    "ejkfn_selection_epoch",
+    0,
+    "Changes whenever ejkfn's ambient selection inputs change (internal).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+_EPOCHS = itertools.count(1)
+
+
+@contextlib.contextmanager
+def fresh_traces() -> Iterator[None]:
+    """Inside the block, JAX re-traces functions instead of reusing traces made outside it."""
+    with _EPOCH(next(_EPOCHS)):
+        yield
+
+
 @contextlib.contextmanager
 def _pushed(session: Session) -> Iterator[Session]:
     token = _SESSION.set(session)
     try:
-        yield session
+        with fresh_traces():
+            yield session
     finally:
         _SESSION.reset(token)
 

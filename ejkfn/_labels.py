@@ -4,7 +4,8 @@ A kernel call is traced inside a nested ``jax.jit`` named by its label and a ``j
 same name: the label is then the name of a function in the lowered StableHLO text, and part of every
 op's ``op_name`` metadata in the compiled HLO. ``EJKFN_OPS_STAMP`` picks the label form:
 
-- ``hash`` (default): ``ejkfn.<kernel>.h<16 hex>``; this process keeps a table from hash to call.
+- ``hash`` (default): ``ejkfn.<kernel>.h<16 hex of the key><8 hex of the config>``; this process
+  also keeps a table from label to call.
 - ``json``: ``ejkfn.<kernel>.j<base64 of the compressed call description>``: a program can be tuned
   offline from its text alone.
 - ``none``: no label, the bare kernel.
@@ -128,6 +129,11 @@ def _rebuild_call(desc: Mapping[str, Any]) -> tuple[Invocation, Any]:
     return inv, cfg
 
 
+def key_digest(key: str) -> str:
+    """The part of an invocation key that a hash label carries (16 hex digits)."""
+    return key.rpartition("/")[2][:16]
+
+
 def _b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
@@ -148,10 +154,10 @@ def make_label(inv: Invocation, cfg: Any, mode: str | None = None) -> str | None
     if mode == "json":
         text = json.dumps(_describe_call(inv, cfg), sort_keys=True, separators=(",", ":"))
         return f"{PREFIX}{name}.j{_b64(zlib.compress(text.encode(), 9))}"
-    digest = hashlib.sha256(
-        f"{inv.key}|{stable_json(cfg_to_dict(cfg)) if cfg is not None else ''}".encode()
-    ).hexdigest()[:16]
-    label = f"{PREFIX}{name}.h{digest}"
+    # The key's digest first (to match invocations from any process), then the config's.
+    cfg_text = stable_json(cfg_to_dict(cfg)) if cfg is not None else ""
+    cfg_digest = hashlib.sha256(cfg_text.encode()).hexdigest()[:8]
+    label = f"{PREFIX}{name}.h{key_digest(inv.key)}{cfg_digest}"
     with _TABLE_LOCK:
         _TABLE[label] = (inv, cfg)
     return label
@@ -234,6 +240,11 @@ class Label:
     kernel: str
     form: str
     payload: str
+
+    @property
+    def key_digest(self) -> str | None:
+        """For hash labels, the digest of the invocation key they were made from."""
+        return self.payload[:16] if self.form == "h" else None
 
     def call(self) -> tuple[Invocation, Any] | None:
         """The ``(invocation, cfg)`` this label stands for, if this process or the label knows it."""

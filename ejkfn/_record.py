@@ -13,9 +13,24 @@ import jax
 
 from ._invocation import Invocation
 
-__all__ = ["clear_recorded", "get_invocations", "note_call", "record", "recording"]
+__all__ = ["Recorder", "clear_recorded", "get_invocations", "note_call", "record", "recording"]
 
-_ACTIVE: contextvars.ContextVar[dict[str, Invocation] | None] = contextvars.ContextVar(
+
+class Recorder:
+    """The kernel calls traced while it was active, in order, with the kernel object of each call."""
+
+    __slots__ = ("calls",)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, Invocation]] = []
+
+    @property
+    def invocations(self) -> list[Invocation]:
+        """Distinct invocations, in order of first call."""
+        return list({inv.key: inv for _, inv in self.calls}.values())
+
+
+_ACTIVE: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar(
     "ejkfn_recording", default=None
 )
 # EJKFN_OPS_RECORD=1: calls traced anywhere in this process are kept here (sugar over ``record``).
@@ -33,19 +48,22 @@ def note_call(kernel: Any, cfg: Any, args: Any, kwargs: Any) -> None:
 
     inv = Invocation.of_prepared(kernel, args, kwargs, batch_axes=current_batch_axes())
     if active is not None:
-        active.setdefault(inv.key, inv)
+        active.calls.append((kernel, inv))
     if process_wide:
         with _LOCK:
             _PROCESS.setdefault(inv.key, inv)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[dict[str, Invocation]]:
-    """Collect the invocations of kernel calls traced inside the block (key -> invocation)."""
-    seen: dict[str, Invocation] = {}
-    token = _ACTIVE.set(seen)
+def recording() -> Iterator[Recorder]:
+    """Collect the kernel calls traced inside the block."""
+    from ._ambient import fresh_traces
+
+    recorder = Recorder()
+    token = _ACTIVE.set(recorder)
     try:
-        yield seen
+        with fresh_traces():  # a cached trace would record nothing
+            yield recorder
     finally:
         _ACTIVE.reset(token)
 
@@ -58,9 +76,9 @@ def record(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Invocation
     >>> [inv.kernel.name for inv in invs]
     ['scale']
     """
-    with recording() as seen:
+    with recording() as recorder:
         jax.eval_shape(fn, *args, **kwargs)
-    return list(seen.values())
+    return recorder.invocations
 
 
 def get_invocations() -> list[Invocation]:
