@@ -1,43 +1,67 @@
-"""One config everywhere: in a multi-process program, process 0 decides and the others follow."""
+"""One config everywhere: in a multi-process program, process 0 decides and the others follow.
+
+The choice travels through the key-value store of JAX's own distributed runtime (the one
+``jax.distributed.initialize`` starts), which works at trace time, where device collectives cannot run.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
+import os
+import threading
 from typing import Any
 
 import jax
-import numpy as np
 
 from ._serialize import cfg_from_dict, cfg_to_dict, stable_json
 
 __all__ = ["agree"]
 
+# How many times this process has agreed on each key: SPMD processes select the same invocations in
+# the same order, so the n-th agreement on a key pairs up across processes.
+_ROUNDS: collections.Counter[str] = collections.Counter()
+_LOCK = threading.Lock()
 
-def _broadcast_text(text: str) -> str:
-    from jax.experimental import multihost_utils
 
-    data = np.frombuffer(text.encode(), dtype=np.uint8)
-    size = int(multihost_utils.broadcast_one_to_all(np.array(len(data), np.int32)))
-    padded = np.zeros(size, np.uint8)
-    if jax.process_index() == 0:
-        padded[:] = data
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded), np.uint8)).decode()
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "jax.process_count() > 1 but the distributed runtime client is missing; "
+            "call jax.distributed.initialize() first"
+        )
+    return client
+
+
+def _timeout_ms() -> int:
+    return int(float(os.environ.get("EJKFN_AGREE_TIMEOUT_S", "600")) * 1000)
 
 
 def agree(decision: Any, caches: Any) -> tuple[Any, Any]:
     """Replace ``decision``'s config by process 0's (a no-op in a single-process program).
 
-    Every process must select the same invocations in the same order (as SPMD programs do), since
-    agreeing is a collective. Explicit overrides are the program's own and are not exchanged.
+    Explicit overrides are the program's own and are not exchanged.
     """
-    if jax.process_count() == 1 or decision.tier == "override":
+    if decision.tier == "override" or jax.process_count() == 1:
         return decision, caches
+    with _LOCK:
+        _ROUNDS[decision.key] += 1
+        slot = f"ejkfn/agree/{decision.key}/{_ROUNDS[decision.key]}"
     mine = stable_json(cfg_to_dict(decision.cfg))
-    chosen = _broadcast_text(mine)
+    client = _client()
+    if jax.process_index() == 0:
+        client.key_value_set(slot, mine)
+        return decision, caches
+    chosen = client.blocking_key_value_get(slot, _timeout_ms())
     if chosen == mine:
         return decision, caches
-    import json
-
     cfg = cfg_from_dict(json.loads(chosen))
     notes = (*decision.notes, f"process 0 chose {cfg!r}; this process had {decision.cfg!r}")
-    return dataclasses.replace(decision, cfg=cfg, notes=notes), caches.remember(decision.key, cfg)
+    caches = caches.remember(decision.key, cfg)
+    if caches.persistent is not None and decision.key in caches.persistent.pending:
+        caches = caches.persist(decision.key, cfg)  # never save a choice the program did not use
+    return dataclasses.replace(decision, cfg=cfg, notes=notes), caches

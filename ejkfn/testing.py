@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -36,7 +37,7 @@ class Scale(Kernel[ScaleCfg, jax.Array]):
     3.0
     """
 
-    factor: float = 2.0
+    factor: float = eqx.field(static=True, default=2.0)
 
     name = "scale"
     version = "1"

@@ -1,0 +1,430 @@
+"""Kernels, invocations and the selection order: each tier answers when it should and only then."""
+
+import dataclasses
+import pickle
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ejkfn
+from ejkfn.testing import Scale, ScaleCfg
+
+FAST = ejkfn.Tuner(warmup=0, iters=1)
+X = jnp.arange(32.0).reshape(8, 4)
+
+
+def inv_of(kernel=None, x=X, **kw):
+    return ejkfn.Invocation.of(kernel or Scale(), x, **kw)
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+
+def test_kernel_eager_jit_vmap_grad():
+    k = Scale(factor=3.0)
+    np.testing.assert_allclose(k(X), 3 * X)
+    np.testing.assert_allclose(jax.jit(k)(X), 3 * X)
+    np.testing.assert_allclose(jax.vmap(k)(jnp.stack([X, X])), 3 * jnp.stack([X, X]))
+    np.testing.assert_allclose(jax.grad(lambda x: k(x).sum())(X), jnp.full_like(X, 3.0))
+
+
+def test_configured_kernel_is_a_hashable_pytree_with_static_cfg():
+    k = Scale().with_cfg(ScaleCfg(block=2))
+    assert jax.tree.leaves(k) == []  # cfg and factor are static
+    assert hash(k) == hash(Scale().with_cfg(ScaleCfg(block=2)))
+    assert k == Scale().with_cfg(ScaleCfg(block=2))
+    assert k != Scale().with_cfg(ScaleCfg(block=4))
+    assert Scale().cfg is None  # with_cfg returned a new value
+    # eqx.tree_at cannot touch static fields; with_cfg is the way.
+    assert eqx.tree_equal(k.with_cfg(None), Scale())
+
+
+def test_kernel_crosses_jit_boundary_and_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def f(kernel, x):
+        traces.append(1)
+        return kernel(x)
+
+    k = Scale().with_cfg(ScaleCfg(block=4))
+    f(k, X)
+    f(k, X + 1)
+    f(Scale().with_cfg(ScaleCfg(block=4)), X)  # equal value: same compiled program
+    assert len(traces) == 1
+    f(Scale().with_cfg(ScaleCfg(block=2)), X)  # another config is another program
+    assert len(traces) == 2
+
+
+def test_jitted_configured_kernel_does_not_recompile():
+    fn = jax.jit(Scale().with_cfg(ScaleCfg(block=4)))
+    fn(X)
+    before = fn._cache_size()
+    fn(X + 1.0)
+    assert fn._cache_size() == before == 1
+
+
+def test_config_space_is_accepted_as_reference_name():
+    class Old(Scale):
+        name = "old"
+
+        def config_space(self, inv):
+            return [ScaleCfg(block=1), ScaleCfg(block=2)]
+
+    class New(Scale):
+        name = "new"
+
+        def candidate_cfgs(self, inv):
+            return [ScaleCfg(block=2)]
+
+    Old.candidate_cfgs = ejkfn.Kernel.candidate_cfgs  # only config_space is defined
+    assert list(Old().candidate_cfgs(inv_of(Old()))) == [ScaleCfg(block=1), ScaleCfg(block=2)]
+    assert list(New().config_space(inv_of(New()))) == [ScaleCfg(block=2)]
+
+
+def test_platform_methods_dispatch_by_device():
+    class PerPlatform(ejkfn.Kernel):
+        name = "per_platform"
+
+        def run_cpu(self, x, *, cfg):
+            return x + 1
+
+        def run_gpu(self, x, *, cfg):
+            return x + 2
+
+        def heuristic_cfg(self, inv):
+            return ScaleCfg(block=1)
+
+    np.testing.assert_allclose(PerPlatform()(X), X + 1)
+
+
+def test_missing_run_is_a_clear_error():
+    class NoRun(ejkfn.Kernel):
+        name = "norun"
+
+        def heuristic_cfg(self, inv):
+            return ScaleCfg(block=1)
+
+    with pytest.raises(NotImplementedError, match="norun"):
+        NoRun()(X)
+
+
+# --- invocations and keys --------------------------------------------------------------------------
+
+
+def test_invocation_is_abstract():
+    inv = inv_of()
+    assert inv.args == (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
+    assert not any(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(inv.args))
+
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append(ejkfn.Invocation.of(Scale(), x))
+        return x
+
+    f(X)
+    assert not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(seen[0].args))
+    assert seen[0].key == inv.key
+
+
+def test_key_holds_what_changes_the_best_config():
+    base = inv_of()
+    payload = base.payload
+    assert payload["kernel"] == "scale" and payload["version"] == "1"
+    assert {"device_kind", "platform", "platform_version"} <= set(payload["device"])
+    assert {"jax", "jaxlib", "triton", "ejkfn"} <= set(payload["software"])
+    assert base.key.startswith("scale/")
+    different = [
+        inv_of(x=jnp.ones((16, 4))),
+        inv_of(x=X.astype(jnp.bfloat16)),
+        inv_of(Scale(factor=3.0)),
+        inv_of(batch_axes={"vmap": 0, "size": 4}),
+    ]
+    assert len({base.key, *(i.key for i in different)}) == 5
+    # the config is never part of the key
+    assert inv_of(Scale().with_cfg(ScaleCfg(block=2))).key == base.key
+    assert inv_of(cfg=ScaleCfg(block=2)).key == base.key
+
+
+def test_key_changes_with_kernel_version():
+    class Scale2(Scale):
+        version = "2"
+
+    assert inv_of(Scale2()).payload["version"] == "2"
+    assert inv_of(Scale2()).key != inv_of().key
+
+
+def test_static_kwargs_are_part_of_key_and_must_be_hashable():
+    class WithKw(Scale):
+        name = "withkw"
+
+        def run(self, x, *, cfg, mode="a"):
+            return x
+
+    assert inv_of(WithKw(), mode="a").key != inv_of(WithKw(), mode="b").key
+    with pytest.raises(TypeError, match="hashable"):
+        WithKw()(X, mode={"a"})
+
+
+# --- the selection order ---------------------------------------------------------------------------
+
+
+def tiers(inv, caches, **kw):
+    decision, new = ejkfn.decide(inv, caches, tuner=FAST, **kw)
+    return decision, new
+
+
+def test_heuristics_when_autotune_not_allowed():
+    d, _ = tiers(inv_of(), ejkfn.Caches(), policy=ejkfn.AutotunePolicy(allow_autotune=False))
+    assert (d.tier, d.cfg) == ("heuristics", ScaleCfg(block=8))
+    assert "autotune not allowed" in " ".join(d.notes)
+
+
+def test_autotune_on_miss_then_memory():
+    inv = inv_of()
+    d, caches = tiers(inv, ejkfn.Caches())
+    assert d.tier == "autotune"
+    assert d.tune is not None and len(d.tune.results) == 4  # blocks 1, 2, 4, 8 divide 8 rows
+    assert all(r.seconds > 0 for r in d.tune.results)
+    d2, caches2 = tiers(inv, caches)
+    assert (d2.tier, d2.cfg) == ("memory", d.cfg)
+    assert caches2.memory is caches.memory  # a hit changes nothing
+
+
+def test_cache_miss_fallback_heuristics_goes_first():
+    policy = ejkfn.AutotunePolicy(cache_miss_fallback="heuristics")
+    d, _ = tiers(inv_of(), ejkfn.Caches(), policy=policy)
+    assert d.tier == "heuristics"
+
+
+def test_autotune_when_heuristics_missing_even_with_heuristics_first():
+    class NoHeuristic(Scale):
+        name = "nohe"
+
+        def heuristic_cfg(self, inv):
+            raise NotImplementedError("none")
+
+        def candidate_cfgs(self, inv):
+            return [ScaleCfg(block=1), ScaleCfg(block=2)]
+
+    policy = ejkfn.AutotunePolicy(cache_miss_fallback="heuristics")
+    d, _ = tiers(inv_of(NoHeuristic()), ejkfn.Caches(), policy=policy)
+    assert d.tier == "autotune"
+
+
+def test_error_when_nothing_allowed():
+    policy = ejkfn.AutotunePolicy(allow_autotune=False, allow_heuristics=False)
+    with pytest.raises(ejkfn.NoConfigError, match="heuristics not allowed"):
+        ejkfn.select(inv_of(), ejkfn.Caches(), policy=policy)
+
+
+def test_overlays_win_over_memory_and_innermost_first():
+    inv = inv_of()
+    caches = ejkfn.Caches().remember(inv.key, ScaleCfg(block=1))
+    outer = {inv.key: ScaleCfg(block=2)}
+    inner = {inv.key: ScaleCfg(block=4)}
+    d, _ = tiers(inv, caches.with_overlay(outer))
+    assert (d.tier, d.cfg) == ("overlay", ScaleCfg(block=2))
+    d, _ = tiers(inv, caches.with_overlay(outer).with_overlay(inner))
+    assert (d.tier, d.cfg) == ("overlay", ScaleCfg(block=4))
+    d, _ = tiers(inv, caches)
+    assert (d.tier, d.cfg) == ("memory", ScaleCfg(block=1))
+
+
+def test_persistent_then_memory(tmp_path):
+    inv = inv_of()
+    store = ejkfn.PersistentCache(tmp_path).put(inv.key, ScaleCfg(block=2)).save()
+    caches = ejkfn.Caches(persistent=ejkfn.PersistentCache(tmp_path))
+    d, caches2 = tiers(inv, caches)
+    assert (d.tier, d.cfg) == ("persistent", ScaleCfg(block=2))
+    d, _ = tiers(inv, caches2)
+    assert d.tier == "memory"
+    # memory beats persistent
+    d, _ = tiers(inv, caches.remember(inv.key, ScaleCfg(block=4)))
+    assert (d.tier, d.cfg) == ("memory", ScaleCfg(block=4))
+    assert len(store) == 1
+
+
+def test_shipped_layer_sits_behind_the_user_cache(tmp_path, monkeypatch):
+    from ejkfn import _cache
+
+    inv = inv_of()
+    shipped = ejkfn.PersistentCache(tmp_path / "shipped").put(inv.key, ScaleCfg(block=1)).save()
+    monkeypatch.setattr(_cache, "_shipped_layer", lambda: shipped)
+    d, _ = tiers(inv, ejkfn.Caches())
+    assert (d.tier, d.cfg) == ("shipped", ScaleCfg(block=1))
+    user = ejkfn.PersistentCache(tmp_path / "user").put(inv.key, ScaleCfg(block=2))
+    d, _ = tiers(inv, ejkfn.Caches(persistent=user))
+    assert (d.tier, d.cfg) == ("persistent", ScaleCfg(block=2))
+    d, _ = tiers(inv, ejkfn.Caches(shipped=False))
+    assert d.tier == "autotune"
+
+
+POLICIES = [
+    ejkfn.AutotunePolicy(),
+    ejkfn.AutotunePolicy(allow_autotune=False),
+    ejkfn.AutotunePolicy(cache_miss_fallback="heuristics"),
+    ejkfn.AutotunePolicy(allow_autotune=False, allow_heuristics=False),
+    ejkfn.AutotunePolicy(validate_backward=True, forbid_reautotune=False, persist_autotune=False),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["argument", "kernel"])
+def test_explicit_override_wins_under_every_policy(policy, how):
+    inv = inv_of()
+    caches = (
+        ejkfn.Caches()
+        .remember(inv.key, ScaleCfg(block=1))
+        .with_overlay({inv.key: ScaleCfg(block=2)})
+    )
+    override = ScaleCfg(block=4)
+    inv2 = inv.replace(cfg=override) if how == "argument" else inv_of(Scale().with_cfg(override))
+    if how == "kernel":
+        inv2 = inv2.replace(kernel=Scale().with_cfg(override))
+    d, _ = tiers(inv2, caches, policy=policy)
+    assert (d.tier, d.cfg) == ("override", override)
+
+
+def test_select_is_pure():
+    inv = inv_of()
+    caches = ejkfn.Caches(persistent=None).with_overlay({"other": ScaleCfg(block=1)})
+    snapshot = (dict(caches.memory), caches.overlays, caches.failed)
+    cfg1, new1 = ejkfn.select(inv, caches, tuner=FAST)
+    assert (dict(caches.memory), caches.overlays, caches.failed) == snapshot
+    assert inv.key in new1.memory and inv.key not in caches.memory
+    # same inputs, same outputs (heuristics are deterministic; autotune timing is not, so use them)
+    policy = ejkfn.AutotunePolicy(allow_autotune=False)
+    a = ejkfn.select(inv, caches, policy=policy)
+    b = ejkfn.select(inv, caches, policy=policy)
+    assert a[0] == b[0] and dict(a[1].memory) == dict(b[1].memory)
+
+
+def test_persist_autotune_puts_pending_entry_only(tmp_path):
+    inv = inv_of()
+    caches = ejkfn.Caches(persistent=ejkfn.PersistentCache(tmp_path))
+    _, new = ejkfn.select(inv, caches, tuner=FAST)
+    assert inv.key in new.persistent.pending
+    assert not list(tmp_path.glob("*.json"))  # nothing on disk until save()
+    assert caches.persistent.pending == {}
+    saved = new.save()
+    assert saved.persistent.pending == {} and inv.key in ejkfn.PersistentCache(tmp_path)
+    _, not_persisted = ejkfn.select(
+        inv, caches, tuner=FAST, policy=ejkfn.AutotunePolicy(persist_autotune=False)
+    )
+    assert inv.key not in not_persisted.persistent.pending
+
+
+class Broken(Scale):
+    name = "broken"
+
+    def run(self, x, *, cfg):
+        if cfg.block != 2:
+            raise RuntimeError(f"cannot compile block {cfg.block}")
+        return x * 2
+
+
+def test_failing_candidates_are_skipped_with_reason():
+    d, _ = tiers(inv_of(Broken()), ejkfn.Caches())
+    assert (d.tier, d.cfg) == ("autotune", ScaleCfg(block=2))
+    failures = d.tune.failures
+    assert len(failures) == 3 and all("cannot compile block" in f.error for f in failures)
+    assert {f.phase for f in failures} == {"compile"}
+    assert "failed" in d.tune.table()
+
+
+class AllBroken(Scale):
+    name = "allbroken"
+
+    def run(self, x, *, cfg):
+        raise RuntimeError("never works")
+
+    def heuristic_cfg(self, inv):
+        return ScaleCfg(block=1)
+
+
+def test_all_failed_falls_back_to_heuristics_and_is_not_retried():
+    events = []
+    d, caches = tiers(inv_of(AllBroken()), ejkfn.Caches(), on_event=events.append)
+    assert d.tier == "heuristics" and "failed" in " ".join(d.notes)
+    assert events == [d]
+    d2, _ = tiers(inv_of(AllBroken()), caches)
+    assert "forbid_reautotune" in " ".join(d2.notes) and d2.tune is None
+    d3, _ = tiers(inv_of(AllBroken()), caches, policy=ejkfn.AutotunePolicy(forbid_reautotune=False))
+    assert d3.tune is not None
+
+
+def test_all_failed_without_heuristics_is_an_error_listing_failures():
+    policy = ejkfn.AutotunePolicy(allow_heuristics=False)
+    with pytest.raises(ejkfn.NoConfigError, match="never works"):
+        ejkfn.select(inv_of(AllBroken()), ejkfn.Caches(), policy=policy, tuner=FAST)
+
+
+def test_policy_is_frozen_and_validated():
+    p = ejkfn.AutotunePolicy()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.allow_autotune = False
+    assert p.replace(validate_backward=True).validate_backward
+    with pytest.raises(ValueError, match="cache_miss_fallback"):
+        ejkfn.AutotunePolicy(cache_miss_fallback="guess")
+    with pytest.raises(TypeError, match="allow_autotune"):
+        ejkfn.AutotunePolicy(allow_autotune="yes")
+    assert {f.name for f in dataclasses.fields(p)} == {
+        "allow_autotune",
+        "allow_heuristics",
+        "cache_miss_fallback",
+        "validate_backward",
+        "persist_autotune",
+        "forbid_reautotune",
+    }
+
+
+def test_config_cache_is_immutable():
+    c = ejkfn.ConfigCache()
+    c2 = c.put("a", 1)
+    c3 = c2.merge({"b": 2})
+    assert (len(c), len(c2), len(c3)) == (0, 1, 2)
+    with pytest.raises(TypeError):
+        c2["x"] = 1
+    with pytest.raises(TypeError, match="strings"):
+        c.put(3, 1)
+    assert pickle.loads(pickle.dumps(ScaleCfg(block=2))) == ScaleCfg(block=2)
+
+
+def test_choose_config_and_configure():
+    policy = ejkfn.AutotunePolicy(allow_autotune=False)
+    cfg, caches = ejkfn.choose_config(Scale(), X, caches=ejkfn.Caches(), policy=policy)
+    assert cfg == ScaleCfg(block=8)
+    cfg, _ = ejkfn.choose_config(Scale(), X, caches=caches, cfg=ScaleCfg(block=1), policy=policy)
+    assert cfg == ScaleCfg(block=1)
+    k, _ = ejkfn.configure(Scale(), X, caches=ejkfn.Caches(), tuner=FAST)
+    assert k.cfg in Scale().candidate_cfgs(inv_of())
+    np.testing.assert_allclose(jax.jit(k)(X), 2 * X)
+
+
+def test_logging_reports_tier(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="ejkfn"):
+        ejkfn.select(inv_of(), ejkfn.Caches(), policy=ejkfn.AutotunePolicy(allow_autotune=False))
+    assert "heuristics answered" in caplog.text
+
+
+def test_ambient_session_sugar():
+    k = Scale()
+    inv = inv_of()
+    with ejkfn.use_caches(ejkfn.Caches(), policy=ejkfn.AutotunePolicy(), tuner=FAST) as session:
+        k(X)
+    assert session.caches.memory.get(inv.key) is not None
+    with ejkfn.overlay_cache({inv.key: ScaleCfg(block=1)}):
+        traced = []
+        jax.eval_shape(lambda x: traced.append(ejkfn.decide(inv, ejkfn.default_caches())[0]), X)
+        assert traced[0].tier == "overlay"
+    with ejkfn.policy_override(allow_heuristics=False):
+        assert ejkfn.current_session().policy.allow_heuristics is False
+    assert ejkfn.current_session().policy.allow_heuristics is True
