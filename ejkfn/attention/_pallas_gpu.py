@@ -1,0 +1,789 @@
+"""Flash attention in Pallas, lowered through Triton on NVIDIA GPUs (variant ``"triton"``).
+
+Forward: one program per (q block, batch * head) runs an online softmax over the key blocks that the
+causal and window limits leave visible, and writes the output and the log-sum-exp.
+Backward (FlashAttention 2, no atomics): ``delta = rowsum(dout * out)`` in XLA, then a dK/dV kernel
+(one program per (kv block, batch * kv head); it loops over the query heads of its GQA group and the
+visible q blocks, so the group sum happens in registers) and a dQ kernel (one program per (q block,
+batch * head), looping over kv blocks; it also writes ``dbias = ds`` when there is a bias).
+
+Shapes are padded outside the kernels: sequences to multiples of the block sizes (the kernels mask by
+the true lengths) and the head dim to a power of two >= 16 (zero columns change no dot product).
+Each key-block loop is split into blocks that need the element mask and blocks fully visible, so the
+interior of a causal or windowed band pays nothing for masking.
+
+On a CPU (tests) the kernels run in Pallas's interpreter; elsewhere they need a GPU with Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .._registry import BwdParams, FwdParams
+from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._dropout import keep_mask
+from ._spec import AttentionSpec
+
+__all__ = ["bwd", "candidates", "fwd", "heuristic"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+_MIN_BLOCK = 16  # tensor-core dots need at least 16 rows/cols
+_SMEM_LIMIT = 200 * 1024  # bytes of shared memory we allow one program on Hopper (228 KB max)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def padded_head_dim(d: int) -> int:
+    """The head dim the kernels compute with: a power of two >= 16 (Triton tensors need it)."""
+    return max(_MIN_BLOCK, _next_pow2(d))
+
+
+def _resolve_interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def _block(requested: int, seq: int) -> int:
+    if requested < 1 or requested & (requested - 1):
+        raise ValueError(f"block size {requested=} must be a power of two")
+    return max(_MIN_BLOCK, min(requested, _next_pow2(seq)))
+
+
+def _cdiv(a: Any, b: int) -> Any:
+    return lax.div(a + (b - 1), b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Static description of one launch and the blockwise masks shared by the three kernels.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    """Everything static a kernel needs (true and padded sizes, features)."""
+
+    spec: AttentionSpec
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dpad: int
+    bq: int
+    bk: int
+    bias_bh: tuple[bool, bool]  # the bias has a (batch, heads) dim, else it broadcasts there
+    mask_bh: tuple[bool, bool]
+    f32: bool  # inputs are float32: keep full precision in the dots
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def sqp(self) -> int:
+        return pl.cdiv(self.seq_q, self.bq) * self.bq
+
+    @property
+    def skp(self) -> int:
+        return pl.cdiv(self.seq_k, self.bk) * self.bk
+
+    @property
+    def offset(self) -> int:
+        """Position of query row 0 (bottom-right alignment)."""
+        return self.seq_k - self.seq_q
+
+    @property
+    def elementwise(self) -> bool:
+        """Visibility depends on data (mask or segment ids), so every block is masked."""
+        return self.spec.has_mask or self.spec.has_segments
+
+    @property
+    def ragged_k(self) -> bool:
+        return self.seq_k % self.bk != 0
+
+
+def _dot(g: _Geom, a: jax.Array, b: jax.Array, *, ta: bool = False, tb: bool = False) -> jax.Array:
+    precision = lax.Precision.HIGHEST if g.f32 else None
+    return pltriton.dot(a, b, trans_a=ta, trans_b=tb, precision=precision)
+
+
+def _kv_range(g: _Geom, q0: Any, bq: int, bk: int) -> tuple[Any, Any, Any, Any]:
+    """Key blocks ``[lo, hi)`` visible to rows ``[q0, q0 + bq)``; ``[full_lo, full_hi)`` needs no mask."""
+    spec, off, nkb = g.spec, g.offset, g.skp // bk
+    p0, p1 = q0 + off, q0 + (bq - 1) + off
+    last = jnp.int32(g.seq_k - 1)
+    if spec.causal:
+        last = jnp.minimum(last, p1)
+    if spec.window is not None:
+        last = jnp.minimum(last, p1 + spec.window[1])
+    hi = jnp.minimum(_cdiv(jnp.maximum(last + 1, 0), bk), nkb)
+    lo = jnp.int32(0)
+    if spec.window is not None:
+        lo = lax.div(jnp.maximum(p0 - spec.window[0], 0), bk)
+    lo = jnp.minimum(lo, hi)
+    if g.elementwise:
+        return lo, hi, hi, hi
+    full_last = jnp.int32(g.seq_k - 1)
+    if spec.causal:
+        full_last = jnp.minimum(full_last, p0)
+    if spec.window is not None:
+        full_last = jnp.minimum(full_last, p0 + spec.window[1])
+    full_hi = lax.div(jnp.maximum(full_last + 1, 0), bk)
+    full_lo = lo
+    if spec.window is not None:
+        full_lo = _cdiv(jnp.maximum(p1 - spec.window[0], 0), bk)
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
+    return lo, full_lo, full_hi, hi
+
+
+def _q_range(g: _Geom, k0: Any, bq: int, bk: int) -> tuple[Any, Any, Any, Any]:
+    """Query blocks ``[lo, hi)`` that see keys ``[k0, k0 + bk)``; ``[full_lo, full_hi)`` needs no mask."""
+    spec, off, nqb = g.spec, g.offset, g.sqp // bq
+    k1 = k0 + (bk - 1)
+    first = jnp.int32(0)
+    last = jnp.int32(g.seq_q - 1)
+    if spec.causal:
+        first = jnp.maximum(first, k0 - off)
+    if spec.window is not None:
+        left, right = spec.window
+        first = jnp.maximum(first, k0 - right - off)
+        last = jnp.minimum(last, k1 + left - off)
+    hi = jnp.minimum(_cdiv(jnp.maximum(last + 1, 0), bq), nqb)
+    lo = jnp.minimum(lax.div(first, bq), hi)
+    if g.elementwise:
+        return lo, hi, hi, hi
+    full_first = jnp.int32(0)
+    full_end = jnp.int32(nqb)
+    if spec.causal:
+        full_first = jnp.maximum(full_first, k1 - off)
+    if spec.window is not None:
+        left, right = spec.window
+        full_first = jnp.maximum(full_first, k1 - right - off)
+        full_end = lax.div(jnp.maximum(k0 + left - off + 1, 0), bq)
+    full_lo = jnp.clip(_cdiv(full_first, bq), lo, hi)
+    full_hi = jnp.clip(full_end, full_lo, hi)
+    if g.ragged_k:  # the last key block holds padding columns: mask all of it
+        full_hi = jnp.where(k1 >= g.seq_k, full_lo, full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+def _needs_left(g: _Geom, over_q: bool) -> bool:
+    """Whether masked blocks can precede the unmasked interior (else that loop is not emitted)."""
+    return g.spec.window is not None or (over_q and g.spec.causal)
+
+
+def _needs_right(g: _Geom, over_q: bool) -> bool:
+    if over_q:
+        return g.spec.window is not None or g.ragged_k
+    return g.spec.causal or g.spec.window is not None or g.ragged_k
+
+
+def _visible(
+    g: _Geom, rows: Any, cols: Any, qseg: Any = None, kseg: Any = None, mask: Any = None
+) -> jax.Array:
+    """Bool ``[rows, cols]``: the spec's visibility rules plus the true key length."""
+    pos = rows[:, None] + g.offset
+    col = cols[None, :]
+    ok = col < g.seq_k
+    if g.spec.causal:
+        ok &= col <= pos
+    if g.spec.window is not None:
+        left, right = g.spec.window
+        ok &= (col >= pos - left) & (col <= pos + right)
+    if qseg is not None:
+        ok &= qseg[:, None] == kseg[None, :]
+    if mask is not None:
+        ok &= mask != 0
+    return ok
+
+
+def _logits(g: _Geom, q: jax.Array, k: jax.Array, bias: Any) -> tuple[jax.Array, jax.Array | None]:
+    """Scaled (soft-capped, biased) logits in base 2, and tanh of the capped part for the backward."""
+    qk = _dot(g, q, k, tb=True)
+    spec = g.spec
+    if spec.soft_cap is None and bias is None:
+        return qk * (spec.scale * LOG2E), None
+    t = None
+    if spec.soft_cap is not None:
+        t = jnp.tanh(qk * (spec.scale / spec.soft_cap))
+        s = t * spec.soft_cap
+    else:
+        s = qk * spec.scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    return s * LOG2E, t
+
+
+def _keep(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, cols: Any) -> jax.Array:
+    return keep_mask(
+        seed, b, h, rows[:, None], cols[None, :], g.heads, g.seq_q, g.spec.dropout_prob
+    )
+
+
+def _three_loops(g: _Geom, bounds: Any, body: Any, carry: Any, over_q: bool) -> Any:
+    """Run ``body(index, carry, masked)`` over the masked edges and the unmasked interior."""
+    lo, full_lo, full_hi, hi = bounds
+    if g.elementwise:
+        return lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
+    if _needs_left(g, over_q):
+        carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    if _needs_right(g, over_q):
+        carry = lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+    return carry
+
+
+class _Refs:
+    """Named access to a kernel's positional refs, in the order ``_operands`` builds them."""
+
+    def __init__(self, g: _Geom, refs: tuple[Any, ...], names: tuple[str, ...]):
+        it = iter(refs)
+        self.q, self.k, self.v = next(it), next(it), next(it)
+        for name in names:
+            setattr(self, name, next(it))
+        self.bias = next(it) if g.spec.has_bias else None
+        self.mask = next(it) if g.spec.has_mask else None
+        self.qseg, self.kseg = (next(it), next(it)) if g.spec.has_segments else (None, None)
+        self.seed = next(it) if g.spec.dropout_prob > 0 else None
+        self.outs = tuple(it)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernels.
+
+
+def _fwd_kernel(*refs: Any, g: _Geom) -> None:
+    r = _Refs(g, refs, ())
+    o_ref, lse_ref = r.outs
+    bq, bk = g.bq, g.bk
+    qi, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // g.heads, bh % g.heads
+    q0 = qi * bq
+    rows = q0 + jnp.arange(bq, dtype=jnp.int32)
+    q = r.q[...]
+    qseg = r.qseg[...] if r.qseg is not None else None
+    seed = r.seed[0] if r.seed is not None else None
+    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+
+    def body(kb: Any, carry: Any, masked: bool) -> Any:
+        acc, m, den = carry
+        k0 = pl.multiple_of(kb * bk, bk)
+        cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+        k = r.k[pl.ds(k0, bk), :]
+        v = r.v[pl.ds(k0, bk), :]
+        bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
+        s, _ = _logits(g, q, k, bias)
+        if masked:
+            kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
+            mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
+            s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+        alpha = jnp.exp2(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        den = den * alpha + jnp.sum(p, axis=1)
+        if seed is not None:
+            p = jnp.where(_keep(g, seed, b, h, rows, cols), p * inv_keep, 0.0)
+        acc = acc * alpha[:, None] + _dot(g, p.astype(v.dtype), v)
+        return acc, m_new, den
+
+    carry = (
+        jnp.zeros((bq, g.dpad), jnp.float32),
+        jnp.full((bq,), -jnp.inf, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+    )
+    acc, m, den = _three_loops(g, _kv_range(g, q0, bq, bk), body, carry, over_q=False)
+    empty = den == 0.0
+    den = jnp.where(empty, 1.0, den)
+    out = acc / den[:, None]
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(den))
+
+
+def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
+    r = _Refs(g, refs, ("do", "lse", "delta"))
+    dk_ref, dv_ref = r.outs
+    bq, bk = g.bq, g.bk
+    kb, bkv = pl.program_id(0), pl.program_id(1)
+    b, kvh = bkv // g.kv_heads, bkv % g.kv_heads
+    k0 = kb * bk
+    cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+    k = r.k[...]
+    v = r.v[...]
+    kseg = r.kseg[...] if r.kseg is not None else None
+    seed = r.seed[0] if r.seed is not None else None
+    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+    bounds = _q_range(g, k0, bq, bk)
+
+    def head(t: Any, carry: Any) -> Any:
+        h = kvh * g.group + t
+
+        def body(qb: Any, carry: Any, masked: bool) -> Any:
+            dk, dv = carry
+            q0 = pl.multiple_of(qb * bq, bq)
+            rows = q0 + jnp.arange(bq, dtype=jnp.int32)
+            q = r.q[pl.ds(q0, bq), t, :]
+            do = r.do[pl.ds(q0, bq), t, :]
+            lse = r.lse[t, pl.ds(q0, bq)]
+            delta = r.delta[t, pl.ds(q0, bq)]
+            bias = None
+            if r.bias is not None:
+                bias = r.bias[t, pl.ds(q0, bq), :] if g.bias_bh[1] else r.bias[pl.ds(q0, bq), :]
+            s, tanh = _logits(g, q, k, bias)
+            if masked:
+                qseg = r.qseg[pl.ds(q0, bq)] if r.qseg is not None else None
+                mask = None
+                if r.mask is not None:
+                    mask = r.mask[t, pl.ds(q0, bq), :] if g.mask_bh[1] else r.mask[pl.ds(q0, bq), :]
+                s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+            p = jnp.exp2(s - lse[:, None])
+            dp = _dot(g, do, v, tb=True)
+            if seed is not None:
+                keep = _keep(g, seed, b, h, rows, cols)
+                pd = jnp.where(keep, p * inv_keep, 0.0)
+                dp = jnp.where(keep, dp * inv_keep, 0.0)
+            else:
+                pd = p
+            dv = dv + _dot(g, pd.astype(do.dtype), do, ta=True)
+            ds = p * (dp - delta[:, None])
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            dk = dk + _dot(g, ds.astype(q.dtype), q, ta=True)
+            return dk, dv
+
+        return _three_loops(g, bounds, body, carry, over_q=True)
+
+    zeros = jnp.zeros((bk, g.dpad), jnp.float32)
+    dk, dv = lax.fori_loop(0, g.group, head, (zeros, zeros))
+    dk_ref[...] = (dk * g.spec.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(*refs: Any, g: _Geom) -> None:
+    r = _Refs(g, refs, ("do", "lse", "delta"))
+    dq_ref = r.outs[0]
+    dbias_ref = r.outs[1] if g.spec.has_bias else None
+    bq, bk = g.bq, g.bk
+    qi, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // g.heads, bh % g.heads
+    q0 = qi * bq
+    rows = q0 + jnp.arange(bq, dtype=jnp.int32)
+    q = r.q[...]
+    do = r.do[...]
+    lse = r.lse[...]
+    delta = r.delta[...]
+    qseg = r.qseg[...] if r.qseg is not None else None
+    seed = r.seed[0] if r.seed is not None else None
+    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+
+    def body(kb: Any, dq: Any, masked: bool) -> Any:
+        k0 = pl.multiple_of(kb * bk, bk)
+        cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+        k = r.k[pl.ds(k0, bk), :]
+        v = r.v[pl.ds(k0, bk), :]
+        bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
+        s, tanh = _logits(g, q, k, bias)
+        if masked:
+            kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
+            mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
+            s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+        p = jnp.exp2(s - lse[:, None])
+        dp = _dot(g, do, v, tb=True)
+        if seed is not None:
+            dp = jnp.where(_keep(g, seed, b, h, rows, cols), dp * inv_keep, 0.0)
+        ds = p * (dp - delta[:, None])
+        if dbias_ref is not None:
+            dbias_ref[:, pl.ds(k0, bk)] = ds
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        return dq + _dot(g, ds.astype(k.dtype), k)
+
+    lo, _, _, hi = bounds = _kv_range(g, q0, bq, bk)
+    dq = _three_loops(g, bounds, body, jnp.zeros((bq, g.dpad), jnp.float32), over_q=False)
+    dq_ref[...] = (dq * g.spec.scale).astype(dq_ref.dtype)
+    if dbias_ref is not None:  # key blocks the loops skipped get a zero gradient
+
+        def zero(kb: Any, carry: Any) -> Any:
+            dbias_ref[:, pl.ds(pl.multiple_of(kb * bk, bk), bk)] = jnp.zeros((bq, bk), jnp.float32)
+            return carry
+
+        lax.fori_loop(0, lo, zero, 0)
+        lax.fori_loop(hi, g.skp // bk, zero, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Wrappers: padding, block specs, launches.
+
+
+def _geom(q: Any, k: Any, bias: Any, mask: Any, spec: AttentionSpec, bq: int, bk: int) -> _Geom:
+    batch, seq_q, heads, head_dim = q.shape
+    _, seq_k, kv_heads, _ = k.shape
+    if heads % kv_heads:
+        raise ValueError(f"{heads=} must be a multiple of {kv_heads=}")
+
+    def bh(x: Any) -> tuple[bool, bool]:
+        return (x is not None and x.shape[0] != 1, x is not None and x.shape[1] != 1)
+
+    return _Geom(
+        spec=spec,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        dpad=padded_head_dim(head_dim),
+        bq=_block(bq, seq_q),
+        bk=_block(bk, seq_k),
+        bias_bh=bh(bias),
+        mask_bh=bh(mask),
+        f32=jnp.dtype(q.dtype) == jnp.float32,
+    )
+
+
+def _check(spec: AttentionSpec, bias: Any, mask: Any, q_seg: Any, seed: Any) -> None:
+    if spec.has_bias != (bias is not None):
+        raise ValueError(f"spec.has_bias={spec.has_bias} but bias is {type(bias).__name__}")
+    if spec.has_mask != (mask is not None):
+        raise ValueError(f"spec.has_mask={spec.has_mask} but mask is {type(mask).__name__}")
+    if spec.has_segments != (q_seg is not None):
+        raise ValueError(
+            f"spec.has_segments={spec.has_segments} but q_seg is {type(q_seg).__name__}"
+        )
+    if spec.dropout_prob > 0 and seed is None:
+        raise ValueError("dropout_prob > 0 needs a seed")
+
+
+def _pad(x: Any, axis: int, size: int, value: Any = 0) -> Any:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_qkv(g: _Geom, x: Any, seq: int) -> Any:
+    return _pad(_pad(x, 1, seq), 3, g.dpad)
+
+
+def _pad_pair(g: _Geom, x: Any, dtype: Any = None) -> Any:
+    """Bias or mask ``[B|1, H|1, Sq, Sk]`` padded to the block multiples."""
+    x = jnp.broadcast_to(x, (*x.shape[:2], g.seq_q, g.seq_k))
+    if dtype is not None:
+        x = x.astype(dtype)
+    return _pad(_pad(x, 2, g.sqp), 3, g.skp)
+
+
+def _extras(g: _Geom, bias: Any, mask: Any, q_seg: Any, kv_seg: Any, seed: Any) -> list[Any]:
+    ops: list[Any] = []
+    if bias is not None:
+        ops.append(_pad_pair(g, bias))
+    if mask is not None:
+        ops.append(_pad_pair(g, mask, jnp.int8))
+    if q_seg is not None:
+        ops.append(_pad(q_seg.astype(jnp.int32), 1, g.sqp))
+        ops.append(_pad(kv_seg.astype(jnp.int32), 1, g.skp))
+    if seed is not None:
+        ops.append(jnp.reshape(jnp.asarray(seed).astype(jnp.uint32), (1,)))
+    return ops
+
+
+def _bh(g: _Geom, j: Any) -> tuple[Any, Any]:
+    return j // g.heads, j % g.heads
+
+
+def _pair_index(dims: tuple[bool, bool], b: Any, h: Any) -> tuple[Any, Any]:
+    return (b if dims[0] else 0), (h if dims[1] else 0)
+
+
+def _extra_specs_rows(g: _Geom, rows: int, row_block: Any) -> list[pl.BlockSpec]:
+    """Specs for bias/mask/segments/seed in the kernels with grid (q block, batch * head)."""
+    specs: list[pl.BlockSpec] = []
+    for present, dims in ((g.spec.has_bias, g.bias_bh), (g.spec.has_mask, g.mask_bh)):
+        if present:
+            specs.append(
+                pl.BlockSpec(
+                    (None, None, rows, g.skp),
+                    lambda i, j, dims=dims: (*_pair_index(dims, *_bh(g, j)), row_block(i), 0),
+                )
+            )
+    if g.spec.has_segments:
+        specs.append(pl.BlockSpec((None, rows), lambda i, j: (_bh(g, j)[0], row_block(i))))
+        specs.append(pl.BlockSpec((None, g.skp), lambda i, j: (_bh(g, j)[0], 0)))
+    if g.spec.dropout_prob > 0:
+        specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    return specs
+
+
+def _compiler_params(params: Any) -> Any:
+    return pltriton.CompilerParams(num_warps=params.num_warps, num_stages=params.num_stages)
+
+
+def fwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any = None,
+    mask: Any = None,
+    q_seg: Any = None,
+    kv_seg: Any = None,
+    seed: Any = None,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Forward pass: ``(out [B, Sq, H, D], lse [B, H, Sq] float32)`` per the contract in ``_spec``."""
+    params = params or FwdParams()
+    _check(spec, bias, mask, q_seg, seed)
+    g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize)
+    qp = _pad_qkv(g, q, g.sqp)
+    kp, vp = _pad_qkv(g, k, g.skp), _pad_qkv(g, v, g.skp)
+    qspec = pl.BlockSpec(
+        (None, g.bq, None, g.dpad), lambda i, j: (_bh(g, j)[0], i, _bh(g, j)[1], 0)
+    )
+    kvspec = pl.BlockSpec(
+        (None, g.skp, None, g.dpad),
+        lambda i, j: (_bh(g, j)[0], 0, _bh(g, j)[1] // g.group, 0),
+    )
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, g=g),
+        grid=(g.sqp // g.bq, g.batch * g.heads),
+        in_specs=[qspec, kvspec, kvspec, *_extra_specs_rows(g, g.bq, lambda i: i)],
+        out_specs=[qspec, pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(qp.shape, q.dtype),
+            jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp), jnp.float32),
+        ],
+        compiler_params=_compiler_params(params),
+        interpret=_resolve_interpret(interpret),
+        name="ejkfn_flash_fwd",
+    )(qp, kp, vp, *_extras(g, bias, mask, q_seg, kv_seg, seed))
+    return out[:, : g.seq_q, :, : g.head_dim], lse[:, :, : g.seq_q]
+
+
+def bwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any,
+    mask: Any,
+    q_seg: Any,
+    kv_seg: Any,
+    seed: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    *,
+    spec: AttentionSpec,
+    params: BwdParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Backward pass: ``(dq, dk, dv, dbias)``; dbias is shaped like ``bias`` (None without one)."""
+    params = params or BwdParams()
+    _check(spec, bias, mask, q_seg, seed)
+    g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize)
+    interpret = _resolve_interpret(interpret)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+    # Rows that see no key have lse = -inf; +inf makes their probabilities exactly 0 in the kernels.
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
+    lse2 = _pad(lse2, 2, g.sqp, jnp.inf)
+    delta = _pad(delta, 2, g.sqp)
+    qp, dop = _pad_qkv(g, q, g.sqp), _pad_qkv(g, dout.astype(q.dtype), g.sqp)
+    kp, vp = _pad_qkv(g, k, g.skp), _pad_qkv(g, v, g.skp)
+    extras = _extras(g, bias, mask, q_seg, kv_seg, seed)
+    cp = _compiler_params(params)
+    group = g.group
+
+    # dK, dV: grid (kv block, batch * kv head); each program sums over its group's query heads.
+    def bkvh(j: Any) -> tuple[Any, Any]:
+        return j // g.kv_heads, j % g.kv_heads
+
+    qgroup = pl.BlockSpec((None, g.sqp, group, g.dpad), lambda i, j: (bkvh(j)[0], 0, bkvh(j)[1], 0))
+    kvblock = pl.BlockSpec((None, g.bk, None, g.dpad), lambda i, j: (bkvh(j)[0], i, bkvh(j)[1], 0))
+    rowgroup = pl.BlockSpec((None, group, g.sqp), lambda i, j: (bkvh(j)[0], bkvh(j)[1], 0))
+    extra_specs: list[pl.BlockSpec] = []
+    for present, dims in ((spec.has_bias, g.bias_bh), (spec.has_mask, g.mask_bh)):
+        if present:
+            extra_specs.append(
+                pl.BlockSpec(
+                    (None, group if dims[1] else None, g.sqp, g.bk),
+                    lambda i, j, dims=dims: (*_pair_index(dims, *bkvh(j)), 0, i),
+                )
+            )
+    if spec.has_segments:
+        extra_specs.append(pl.BlockSpec((None, g.sqp), lambda i, j: (bkvh(j)[0], 0)))
+        extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], i)))
+    if spec.dropout_prob > 0:
+        extra_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, g=g),
+        grid=(g.skp // g.bk, g.batch * g.kv_heads),
+        in_specs=[qgroup, kvblock, kvblock, qgroup, rowgroup, rowgroup, *extra_specs],
+        out_specs=[kvblock, kvblock],
+        out_shape=[
+            jax.ShapeDtypeStruct(kp.shape, k.dtype),
+            jax.ShapeDtypeStruct(vp.shape, v.dtype),
+        ],
+        compiler_params=cp,
+        interpret=interpret,
+        name="ejkfn_flash_bwd_dkdv",
+    )(qp, kp, vp, dop, lse2, delta, *extras)
+
+    # dQ (and dbias): grid (q block, batch * head).
+    qspec = pl.BlockSpec(
+        (None, g.bq, None, g.dpad), lambda i, j: (_bh(g, j)[0], i, _bh(g, j)[1], 0)
+    )
+    kvspec = pl.BlockSpec(
+        (None, g.skp, None, g.dpad),
+        lambda i, j: (_bh(g, j)[0], 0, _bh(g, j)[1] // group, 0),
+    )
+    rowspec = pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))
+    out_specs = [qspec]
+    out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
+    if spec.has_bias:
+        out_specs.append(pl.BlockSpec((None, None, g.bq, g.skp), lambda i, j: (*_bh(g, j), i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp, g.skp), jnp.float32))
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, g=g),
+        grid=(g.sqp // g.bq, g.batch * g.heads),
+        in_specs=[
+            qspec,
+            kvspec,
+            kvspec,
+            qspec,
+            rowspec,
+            rowspec,
+            *_extra_specs_rows(g, g.bq, lambda i: i),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=cp,
+        interpret=interpret,
+        name="ejkfn_flash_bwd_dq",
+    )(qp, kp, vp, dop, lse2, delta, *extras)
+    dq = res[0][:, : g.seq_q, :, : g.head_dim]
+    dbias = None
+    if spec.has_bias:
+        full = res[1][:, :, : g.seq_q, : g.seq_k]
+        axes = tuple(a for a in (0, 1) if bias.shape[a] == 1 and full.shape[a] != 1)
+        full = jnp.sum(full, axis=axes, keepdims=True)
+        dbias = jnp.sum(full, axis=tuple(a for a in (2, 3) if bias.shape[a] == 1), keepdims=True)
+        dbias = dbias.astype(bias.dtype)
+    return (
+        dq,
+        dk[:, : g.seq_k, :, : g.head_dim],
+        dv[:, : g.seq_k, :, : g.head_dim],
+        dbias,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Configurations.
+
+
+def _smem_bytes(outer: int, inner: int, dpad: int, stages: int, itemsize: int) -> int:
+    """Rough shared memory of one program: the resident block, pipelined inner blocks, one tile."""
+    return (outer * dpad + 2 * stages * inner * dpad + outer * inner) * itemsize
+
+
+def _fits(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
+    dpad = padded_head_dim(shape.head_dim)
+    item = 4 if shape.dtype == "float32" else 2
+    seq_q = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
+    seq_k = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
+    for p in (fp, bp):
+        if p.q_blocksize > seq_q or p.kv_blocksize > seq_k:
+            return False
+        if p.q_blocksize < _MIN_BLOCK or p.kv_blocksize < _MIN_BLOCK:
+            return False
+        # f32 accumulators held in registers by the program's threads
+        regs = (p.q_blocksize * dpad + p.q_blocksize * p.kv_blocksize) / (32 * p.num_warps)
+        if regs > 256:
+            return False
+    if _smem_bytes(fp.q_blocksize, fp.kv_blocksize, dpad, fp.num_stages, item) > _SMEM_LIMIT:
+        return False
+    # dK/dV keeps k, v blocks and streams q, do; dQ the reverse
+    dkdv = _smem_bytes(2 * bp.kv_blocksize, bp.q_blocksize, dpad, bp.num_stages, item)
+    dq = _smem_bytes(2 * bp.q_blocksize, bp.kv_blocksize, dpad, bp.num_stages, item)
+    return max(dkdv, dq) <= _SMEM_LIMIT
+
+
+def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    """Block sizes that work well on Hopper for the head dim, shrunk to fit short sequences."""
+    d = padded_head_dim(shape.head_dim)
+    if d <= 64:
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    elif d <= 128:
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    else:
+        fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
+        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
+    sq = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
+    sk = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
+    fp = dataclasses.replace(
+        fp, q_blocksize=min(fp.q_blocksize, sq), kv_blocksize=min(fp.kv_blocksize, sk)
+    )
+    bp = dataclasses.replace(
+        bp, q_blocksize=min(bp.q_blocksize, sq), kv_blocksize=min(bp.kv_blocksize, sk)
+    )
+    return fp, bp
+
+
+def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
+    """Configurations the tuner may try, without those that cannot compile or fit on the chip."""
+    out: list[tuple[FwdParams, BwdParams]] = []
+    fwds = [
+        FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq, bk in ((64, 32), (64, 64), (128, 32), (128, 64), (128, 128))
+        for w in (4, 8)
+        for s in (2, 3)
+    ]
+    bwds = [
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq, bk in ((32, 32), (32, 64), (64, 32), (64, 64), (64, 128), (128, 64))
+        for w in (4, 8)
+        for s in (1, 2)
+    ]
+    heur = heuristic(shape)
+    if _fits(shape, *heur):
+        out.append(heur)
+    for fp in fwds:
+        bp = heur[1]
+        if (fp, bp) not in out and _fits(shape, fp, bp):
+            out.append((fp, bp))
+    for bp in bwds:
+        fp = heur[0]
+        if (fp, bp) not in out and _fits(shape, fp, bp):
+            out.append((fp, bp))
+    if not out:
+        out.append(heur)
+    return out
+
+
+BACKEND = register_backend(
+    AttentionBackend(
+        platform="pallas",
+        variant="triton",
+        devices=("gpu",),
+        fwd=fwd,
+        bwd=bwd,
+        unsupported=frozenset(),
+        heuristic=heuristic,
+        candidates=candidates,
+    )
+)
