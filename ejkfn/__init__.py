@@ -28,6 +28,7 @@ from ._labels import extract_labels_from_hlo_text as extract_labels_from_hlo_tex
 from ._labels import find_labels_in_lowered as find_labels_in_lowered
 from ._labels import label as label
 from ._labels import labels_to_configs as labels_to_configs
+from ._labels import stamping as stamping
 from ._offline import AutotuningResult as AutotuningResult
 from ._offline import autotune_lowered as autotune_lowered
 from ._offline import autotune_recorded as autotune_recorded

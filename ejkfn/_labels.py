@@ -14,6 +14,7 @@ op's ``op_name`` metadata in the compiled HLO. ``EJKFN_OPS_STAMP`` picks the lab
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -22,11 +23,12 @@ import os
 import re
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
 import numpy as np
+from jax._src import config as _jax_config
 
 from ._invocation import Invocation, merge_static, split_static
 from ._serialize import cfg_from_dict, cfg_to_dict, stable_json, type_path
@@ -38,10 +40,11 @@ __all__ = [
     "label",
     "labels_to_configs",
     "stamp_mode",
+    "stamping",
 ]
 
 PREFIX = "ejkfn."
-_LABEL_RE = re.compile(r"ejkfn\.([A-Za-z0-9_]+)\.([hjf])([A-Za-z0-9_\-]+)")
+_LABEL_RE = re.compile(r"ejkfn\.([A-Za-z0-9_]+)\.([hjf])([A-Za-z0-9_\-]*)")
 _MODES = ("hash", "json", "none")
 
 # Labels traced in this process, for ``hash`` stamps: label -> (invocation, cfg). Filled at trace time
@@ -50,12 +53,39 @@ _TABLE: dict[str, tuple[Invocation, Any]] = {}
 _TABLE_LOCK = threading.Lock()
 
 
+# A block's stamp mode lives in a JAX config state so that it is part of JAX's trace key: a function
+# traced under one mode is traced again under another.
+_STAMP = _jax_config.optional_enum_state(
+    "ejkfn_ops_stamp",
+    list(_MODES),
+    None,
+    "Label form of ejkfn kernel calls for a block (internal; see ejkfn.stamping).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
 def stamp_mode() -> str:
-    """The current ``EJKFN_OPS_STAMP`` (``hash``, ``json`` or ``none``)."""
+    """The label form in force: that of the innermost :func:`stamping` block, else ``EJKFN_OPS_STAMP``.
+
+    The environment variable is read when a function is traced; to switch forms within a process use
+    :func:`stamping`, which also makes JAX re-trace.
+    """
+    if _STAMP.value is not None:
+        return _STAMP.value
     mode = os.environ.get("EJKFN_OPS_STAMP", "hash").strip().lower() or "hash"
     if mode not in _MODES:
         raise ValueError(f"EJKFN_OPS_STAMP must be one of {_MODES}; got {mode!r}")
     return mode
+
+
+@contextlib.contextmanager
+def stamping(mode: str) -> Iterator[None]:
+    """Kernel calls traced inside the block are labelled in form ``mode`` (hash, json or none)."""
+    if mode not in _MODES:
+        raise ValueError(f"stamp mode must be one of {_MODES}; got {mode!r}")
+    with _STAMP(mode):
+        yield
 
 
 def _safe(name: str) -> str:

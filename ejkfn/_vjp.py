@@ -14,10 +14,10 @@ from ._invocation import merge_static, split_static
 __all__ = ["call_with_custom_vjp", "custom_vjp"]
 
 
-def _zero_cotangent(x: Any) -> Any:
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros(x.shape, x.dtype)
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)  # integer and bool inputs take no gradient
+def _zero_cotangent(shape: tuple[int, ...], dtype: Any) -> Any:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.zeros(shape, dtype)
+    return np.zeros(shape, dtype=jax.dtypes.float0)  # integer and bool inputs take no gradient
 
 
 def _grad_for(grads: Any, where: int | str, count: int) -> Any:
@@ -52,7 +52,7 @@ def custom_vjp(
 
     def call(*args: Any, **kwargs: Any) -> Any:
         dynamic, static = split_static((args, kwargs))
-        treedef, leaves = static
+        avals = [(jnp.shape(d), jnp.result_type(d)) for d in dynamic]
         # Which dynamic leaf belongs to which argument, to place the gradients bwd returns.
         owners: list[int | str] = []
         for where, value in [*enumerate(args), *sorted(kwargs.items())]:
@@ -66,11 +66,10 @@ def custom_vjp(
         def f_fwd(*dyn: Any) -> tuple[Any, Any]:
             a, kw = merge_static(list(dyn), static)
             out, res = fwd(*a, **kw)
-            return out, (res, dyn)
+            return out, res
 
         def f_bwd(saved: Any, g: Any) -> tuple[Any, ...]:
-            res, dyn = saved
-            grads = bwd(res, g)
+            grads = bwd(saved, g)
             out: list[Any] = []
             cursor: dict[int | str, list[Any] | None] = {}
             for i, where in enumerate(owners):
@@ -79,17 +78,18 @@ def custom_vjp(
                     cursor[where] = None if gw is None else list(jax.tree.leaves(gw))
                 pending = cursor[where]
                 if pending is None:
-                    out.append(_zero_cotangent(dyn[i]))
+                    out.append(_zero_cotangent(*avals[i]))
                 else:
                     if not pending:
                         raise ValueError(
                             f"bwd returned too few gradient leaves for argument {where!r}"
                         )
                     grad = pending.pop(0)
-                    if jnp.issubdtype(dyn[i].dtype, jnp.inexact):
-                        out.append(jnp.asarray(grad, dyn[i].dtype).reshape(dyn[i].shape))
+                    shape, dtype = avals[i]
+                    if jnp.issubdtype(dtype, jnp.inexact):
+                        out.append(jnp.asarray(grad, dtype).reshape(shape))
                     else:
-                        out.append(_zero_cotangent(dyn[i]))
+                        out.append(_zero_cotangent(*avals[i]))
             return tuple(out)
 
         f.defvjp(f_fwd, f_bwd)
