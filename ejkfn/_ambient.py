@@ -112,9 +112,10 @@ def use_caches(
     Yields the session; after the block ``session.caches`` holds the updated caches.
 
     >>> import jax.numpy as jnp, ejkfn
-    >>> with ejkfn.use_caches(ejkfn.Caches()) as session:
+    >>> tuner = ejkfn.Tuner(warmup=0, iters=1, progress=False)
+    >>> with ejkfn.use_caches(ejkfn.Caches(), policy=ejkfn.AutotunePolicy(), tuner=tuner) as session:
     ...     _ = ejkfn.testing.Scale()(jnp.ones((4, 8)))
-    >>> len(session.caches.memory)
+    >>> len(session.caches.memory)   # the autotuned config is remembered
     1
     """
     outer = current_session()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import equinox as eqx
 import jax
@@ -16,6 +16,7 @@ __all__ = ["Kernel"]
 
 Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
+K = TypeVar("K", bound="Kernel")
 
 _ArrayImpl = type(jnp.zeros(()))
 _SCALARS = (int, float, bool, str, type(None))
@@ -91,7 +92,7 @@ class Kernel(eqx.Module, Generic[Cfg, Out]):
 
     # --- values --------------------------------------------------------------------------------
 
-    def with_cfg(self, cfg: Cfg | None) -> Self:
+    def with_cfg(self: K, cfg: Any) -> K:
         """This kernel with ``cfg`` as its static config (a new value; this one is unchanged)."""
         new = copy.copy(self)
         object.__setattr__(new, "cfg", cfg)

@@ -321,10 +321,14 @@ class PersistentCache:
             never touch the directory (corrupt files are then ignored, not moved aside).
 
     Example:
-        >>> cache = PersistentCache(tmp_dir)
-        >>> cache = cache.put("attn/ab12", cfg, meta={"time_ms": 1.5}).save()
-        >>> cache.get("attn/ab12") == cfg
-        True
+        >>> import tempfile
+        >>> from ejkfn.testing import ScaleCfg
+        >>> cache = PersistentCache(tempfile.mkdtemp())
+        >>> saved = cache.put("scale/ab12", ScaleCfg(block=4), meta={"time_ms": 1.5}).save()
+        >>> saved.get("scale/ab12"), cache.get("scale/ab12")
+        (ScaleCfg(block=4), None)
+        >>> PersistentCache(saved.path).get("scale/ab12")
+        ScaleCfg(block=4)
     """
 
     __slots__ = ("_loaded", "_merged", "_path", "_pending", "_readonly")

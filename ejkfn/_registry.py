@@ -97,23 +97,21 @@ class KernelConfig:
 
 # (algorithm, platform, backend) -> implementation. Filled at import time of the operation packages
 # (a table of code, like a module's functions), never by selection.
-_REGISTRY: dict[tuple[str, str, str], Callable[..., Any]] = {}
+_REGISTRY: dict[tuple[str, str, str], Any] = {}
 
 
-def register_kernel(
-    algorithm: str, platform: str, backend: str = "any"
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator registering an implementation of ``algorithm`` for ``platform`` and ``backend``."""
+def register_kernel(algorithm: str, platform: str, backend: str = "any") -> Callable[[Any], Any]:
+    """Decorator registering an implementation (a function or a descriptor) of ``algorithm``."""
     key = (algorithm, Platform(platform).value, Backend(backend).value)
 
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _REGISTRY[key] = fn
-        return fn
+    def wrap(impl: Any) -> Any:
+        _REGISTRY[key] = impl
+        return impl
 
     return wrap
 
 
-def get_kernel(algorithm: str, platform: str, backend: str | None = None) -> Callable[..., Any]:
+def get_kernel(algorithm: str, platform: str, backend: str | None = None) -> Any:
     """The implementation registered for ``algorithm`` on ``platform`` (this device's backend first)."""
     backend = backend or device_kind()
     for b in (backend, "any"):

@@ -370,7 +370,7 @@ def test_policy_is_frozen_and_validated():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.allow_autotune = False
     assert p.replace(validate_backward=True).validate_backward
-    with pytest.raises(ValueError, match="cache_miss_fallback"):
+    with pytest.raises((ValueError, TypeError), match="cache_miss_fallback"):
         ejkfn.AutotunePolicy(cache_miss_fallback="guess")
     with pytest.raises(TypeError, match="allow_autotune"):
         ejkfn.AutotunePolicy(allow_autotune="yes")
@@ -391,7 +391,7 @@ def test_config_cache_is_immutable():
     assert (len(c), len(c2), len(c3)) == (0, 1, 2)
     with pytest.raises(TypeError):
         c2["x"] = 1
-    with pytest.raises(TypeError, match="strings"):
+    with pytest.raises(TypeError, match="key"):
         c.put(3, 1)
     assert pickle.loads(pickle.dumps(ScaleCfg(block=2))) == ScaleCfg(block=2)
 
