@@ -37,6 +37,14 @@ def _client() -> Any:
     return client
 
 
+def _single_process() -> bool:
+    from jax._src import distributed
+
+    # Cheap test first: this runs on every selection, and a program without a distributed client is
+    # a single process.
+    return distributed.global_state.client is None or jax.process_count() == 1
+
+
 def _timeout_ms() -> int:
     return int(float(os.environ.get("EJKFN_AGREE_TIMEOUT_S", "600")) * 1000)
 
@@ -46,7 +54,7 @@ def agree(decision: Any, caches: Any) -> tuple[Any, Any]:
 
     Explicit overrides are the program's own and are not exchanged.
     """
-    if decision.tier == "override" or jax.process_count() == 1:
+    if decision.tier == "override" or _single_process():
         return decision, caches
     with _LOCK:
         _ROUNDS[decision.key] += 1

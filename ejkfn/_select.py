@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from ._cache import Caches
+from ._distributed import agree
 from ._invocation import Invocation
 from ._policy import AutotunePolicy
 from ._tune import Tuner, TuneReport
@@ -107,7 +108,7 @@ def decide(
         decision = Decision(inv.key, override, "override")
     else:
         decision, caches = _decide_miss_or_hit(inv, caches, policy, tuner)
-    decision, caches = _agree_across_processes(decision, caches)
+    decision, caches = agree(decision, caches)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "select %s: %s answered with %r%s",
@@ -151,12 +152,6 @@ def _decide_miss_or_hit(
         + "; ".join(notes)
         + (f"\n{report.table()}" if report is not None else "")
     )
-
-
-def _agree_across_processes(decision: Decision, caches: Caches) -> tuple[Decision, Caches]:
-    from ._distributed import agree
-
-    return agree(decision, caches)
 
 
 def select(
