@@ -74,7 +74,7 @@ def import_triton(interpret: bool) -> ModuleType:
             f"{_ENV}=1 (interpreter mode). Unset {_ENV} before triton is imported to run on the GPU."
         )
     if interpret:
-        _patch_interpreter_index()
+        _patch_interpreter()
     return triton
 
 
@@ -87,25 +87,40 @@ def load_kernels(module: str, interpret: bool) -> ModuleType:
 _PATCHED = False
 
 
-def _patch_interpreter_index() -> None:
-    """Let interpreted ``range(lo, hi)`` take runtime bounds with numpy >= 2.5.
+def _patch_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter, applied once, in interpreter mode only.
 
-    Triton 3.6's interpreter converts a scalar tensor (a one-element array) with ``int(array)``,
-    which numpy 2.5 no longer allows for arrays with ``ndim > 0``. Loop bounds that depend on
-    ``tl.program_id`` (causal block skipping) need it. ``.item()`` is what was meant.
+    - ``range(lo, hi)`` with runtime bounds (causal block skipping depends on ``tl.program_id``): the
+      interpreter converts a scalar tensor (a one-element array) with ``int(array)``, which numpy 2.5
+      refuses for ``ndim > 0``; ``.item()`` is what was meant.
+    - ``tl.dot`` on bfloat16: the interpreter keeps bfloat16 as raw ``uint16`` bits and multiplies
+      those; widen them to float32 first (exact: a bfloat16 is the top half of a float32).
     """
     global _PATCHED
     if _PATCHED:
         return
+    import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter._patch_lang_tensor
+    original_patch = interpreter._patch_lang_tensor
 
     def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
+        original_patch(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
+    original_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(h: Any) -> Any:
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        bits = h.data.astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self: Any, a: Any, b: Any, *args: Any) -> Any:
+        return original_dot(self, widen(a), widen(b), *args)
+
     interpreter._patch_lang_tensor = patch_lang_tensor
+    interpreter.InterpreterBuilder.create_dot = create_dot
     _PATCHED = True
 
 
@@ -189,10 +204,12 @@ def launch(
     is_array = [not isinstance(a, (bool, int, float)) for a in args]
     arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
 
-    def host(*host_arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    def host(*host_arrays: Any) -> tuple[np.ndarray, ...]:
         it = iter(host_arrays)
-        call = [HostArray(np.ascontiguousarray(next(it))) if arr else a for a, arr in
-                zip(args, is_array, strict=True)]  # fmt: skip
+        call = [
+            HostArray(np.ascontiguousarray(next(it))) if arr else a
+            for a, arr in zip(args, is_array, strict=True)
+        ]
         outs = [np.zeros(s.shape, s.dtype) for s in out_shapes]
         # Masked lanes (exp of -inf, 0/0 that a where discards) are normal in these kernels.
         with np.errstate(all="ignore"):

@@ -1,0 +1,440 @@
+"""Flash attention as Triton kernels (platform ``"triton"``), called through jax-triton on a GPU.
+
+Forward: one program per (q block, batch * head) runs an online softmax over the key blocks the
+causal and window limits leave visible, writing the output and the log-sum-exp. Backward
+(FlashAttention 2, no atomics): a preprocess kernel computes ``delta = rowsum(dout * out)``; a dK/dV
+kernel (one program per (kv block, batch * kv head)) loops over the query heads of its GQA group and
+their visible q blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when
+there is a bias; a dQ kernel (one program per (q block, batch * head)) loops over key blocks.
+
+Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
+head dims that are not powers of two are handled by masked loads and stores. Every feature of
+:class:`AttentionSpec` is supported. ``dbias`` is produced per (batch, head) in float32 and summed
+over broadcast dimensions afterwards.
+
+Without a GPU (``interpret=None`` on a CPU, or ``interpret=True``) the same kernels run in Triton's
+interpreter inside ``jax.pure_callback``; that needs ``triton`` imported in interpreter mode, which
+:mod:`ejkfn._triton_interpret` arranges (or explains) on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._registry import BwdParams, FwdParams
+from .._triton_interpret import default_interpret, launch, load_kernels
+from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._dropout import threshold
+from ._spec import AttentionSpec
+
+__all__ = ["bwd", "candidates", "fwd", "heuristic"]
+
+_KERNELS = __name__.rsplit(".", 1)[0] + "._triton_kernels"
+_MIN_BLOCK = 16  # tl.dot needs at least 16 along every dimension
+_MAX_HEAD_DIM = 256
+_SMEM_BYTES = 220 * 1024  # usable shared memory per program on Hopper (227 KB), with some slack
+_MAX_ACC_PER_THREAD = 128  # f32 accumulator values per thread before registers spill
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _block_d(head_dim: int) -> int:
+    return max(_MIN_BLOCK, _next_pow2(head_dim))
+
+
+def _clamp_block(block: int, seq: int, what: str) -> int:
+    """``block`` shrunk to the (power-of-two) sequence length; blocks beyond it only waste work."""
+    if block < _MIN_BLOCK or block & (block - 1):
+        raise ValueError(f"{what}={block} must be a power of two >= {_MIN_BLOCK}")
+    return max(_MIN_BLOCK, min(block, _next_pow2(seq)))
+
+
+def _kernels(interpret: bool) -> ModuleType:
+    return load_kernels(_KERNELS, interpret)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments
+
+
+def _check(q: Any, k: Any, v: Any) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"expected q, k, v of rank 4 ([batch, seq, heads, dim]); got {q.shape}, {k.shape}, "
+            f"{v.shape}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(f"expected k and v of one shape; got {k.shape} and {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on batch or head dim")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"kv heads ({k.shape[2]}) must divide query heads ({q.shape[2]})")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"expected q, k, v of one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if np.dtype(q.dtype).name not in _DTYPES:
+        raise NotImplementedError(f"platform 'triton' supports {_DTYPES}; got {q.dtype}")
+    if q.shape[3] > _MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"platform 'triton' supports head dims up to {_MAX_HEAD_DIM}; got {q.shape[3]}"
+        )
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def _pairwise(x: Any, full: tuple[int, int, int, int], what: str) -> list[int]:
+    """Element strides of a ``[B|1, H|1, Sq|1, Sk|1]`` operand, 0 along broadcast dimensions."""
+    if x.ndim != 4 or any(n not in (1, f) for n, f in zip(x.shape, full, strict=True)):
+        raise ValueError(f"expected {what} broadcastable to {full} (rank 4); got {x.shape}")
+    return [
+        0 if n == 1 and f != 1 else s
+        for n, f, s in zip(x.shape, full, _strides(x.shape), strict=True)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """The operands and compile-time constants shared by all kernels of one attention call."""
+
+    inputs: tuple[Any, ...]  # q, k, v, bias, mask, q_seg, kv_seg, seed (dummies when absent)
+    meta: dict[str, Any]
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    block_d: int
+
+
+def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _Call:
+    _check(q, k, v)
+    batch, seq_q, heads, head_dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    full = (batch, heads, seq_q, seq_k)
+    has_bias, has_mask, has_seg = bias is not None, mask is not None, q_seg is not None
+    dummy_f32 = jnp.zeros((1,), jnp.float32)
+    if has_bias:
+        sbb, sbh, sbm, sbn = _pairwise(bias, full, "bias")
+    else:
+        bias, (sbb, sbh, sbm, sbn) = dummy_f32, (0, 0, 0, 0)
+    if has_mask:
+        smb, smh, smm, smn = _pairwise(mask, full, "attention_mask")
+        mask = mask.astype(jnp.int8)
+    else:
+        mask, (smb, smh, smm, smn) = jnp.zeros((1,), jnp.int8), (0, 0, 0, 0)
+    if (q_seg is None) != (kv_seg is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    if has_seg:
+        if q_seg.shape != (batch, seq_q) or kv_seg.shape != (batch, seq_k):
+            raise ValueError(
+                f"expected segment ids of shapes {(batch, seq_q)} and {(batch, seq_k)}; got "
+                f"{q_seg.shape} and {kv_seg.shape}"
+            )
+        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+    else:
+        q_seg = kv_seg = jnp.zeros((1,), jnp.int32)
+    if spec.dropout_prob > 0.0:
+        if seed is None:
+            raise ValueError("dropout_prob > 0 needs a dropout seed")
+        seed = jnp.asarray(seed).astype(jnp.uint32).reshape(1)
+    else:
+        seed = jnp.zeros((1,), jnp.uint32)
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    sq, sk = _strides(q.shape), _strides(k.shape)
+    meta = dict(
+        HEADS=heads,
+        GROUP=heads // kv_heads,
+        SEQ_Q=seq_q,
+        SEQ_K=seq_k,
+        HEAD_DIM=head_dim,
+        SQB=sq[0], SQS=sq[1], SQH=sq[2],
+        SKB=sk[0], SKS=sk[1], SKH=sk[2],
+        SVB=sk[0], SVS=sk[1], SVH=sk[2],
+        SBB=sbb, SBH=sbh, SBM=sbm, SBN=sbn,
+        SMB=smb, SMH=smh, SMM=smm, SMN=smn,
+        SCALE=float(spec.scale),
+        SOFT_CAP=float(spec.soft_cap or 0.0),
+        CAUSAL=bool(spec.causal),
+        WINDOW_LEFT=int(left),
+        WINDOW_RIGHT=int(right),
+        HAS_BIAS=has_bias,
+        HAS_MASK=has_mask,
+        HAS_SEG=has_seg,
+        DROP_THRESH=threshold(spec.dropout_prob) if spec.dropout_prob > 0.0 else 0,
+        DROP_SCALE=1.0 / (1.0 - spec.dropout_prob),
+        SPLIT=spec.window is None and not has_mask and not has_seg,
+        DOT_PRECISION="ieee" if np.dtype(q.dtype) == np.float32 else "tf32",
+    )  # fmt: skip
+    return _Call(
+        inputs=(q, k, v, bias, mask, q_seg, kv_seg, seed),
+        meta=meta,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        block_d=_block_d(head_dim),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The contract's functions
+
+
+def fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Attention forward: ``(out [B, Sq, H, D] like q, lse [B, H, Sq] float32)``.
+
+    ``spec`` and ``params`` are static (they pick the compiled kernel); ``interpret`` runs the
+    kernels in Triton's interpreter (default: when JAX has no GPU).
+    """
+    interpret = default_interpret(interpret)
+    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
+    block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
+    block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
+    kern = _kernels(interpret)
+    out, lse = launch(
+        kern.fwd_kernel,
+        *call.inputs,
+        grid=(_cdiv(call.seq_q, block_q), call.batch * call.heads),
+        out_shapes=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),
+        ),
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        interpret=interpret,
+        **call.meta,
+        SOB=call.meta["SQB"],
+        SOS=call.meta["SQS"],
+        SOH=call.meta["SQH"],
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        BLOCK_D=call.block_d,
+    )
+    return out, lse
+
+
+def bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    spec: AttentionSpec,
+    params: BwdParams,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Attention backward: ``(dq, dk, dv, dbias)``; dbias is None without a bias, else shaped like
+    it (summed over its broadcast dimensions). Static arguments as in :func:`fwd`."""
+    interpret = default_interpret(interpret)
+    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
+    block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
+    block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
+    kern = _kernels(interpret)
+    meta = call.meta
+    dout = dout.astype(q.dtype)
+    out = out.astype(q.dtype)
+    bh = call.batch * call.heads
+    (delta,) = launch(
+        kern.bwd_preprocess_kernel,
+        out,
+        dout,
+        grid=(_cdiv(call.seq_q, block_q), bh),
+        out_shapes=(jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),),
+        num_warps=4,
+        num_stages=1,
+        interpret=interpret,
+        HEADS=call.heads,
+        SEQ_Q=call.seq_q,
+        HEAD_DIM=meta["HEAD_DIM"],
+        SOB=meta["SQB"],
+        SOS=meta["SQS"],
+        SOH=meta["SQH"],
+        BLOCK_Q=block_q,
+        BLOCK_D=call.block_d,
+    )
+    lse = lse.astype(jnp.float32)
+    common = dict(
+        **meta,
+        SDOB=meta["SQB"],
+        SDOS=meta["SQS"],
+        SDOH=meta["SQH"],
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        BLOCK_D=call.block_d,
+    )
+    has_bias = bias is not None
+    dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
+    dk, dv, dbias_full = launch(
+        kern.bwd_dkdv_kernel,
+        *call.inputs,
+        dout,
+        lse,
+        delta,
+        grid=(_cdiv(call.seq_k, block_k), call.batch * call.kv_heads),
+        out_shapes=(
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
+        ),
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        interpret=interpret,
+        **common,
+    )
+    (dq,) = launch(
+        kern.bwd_dq_kernel,
+        *call.inputs,
+        dout,
+        lse,
+        delta,
+        grid=(_cdiv(call.seq_q, block_q), bh),
+        out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),),
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        interpret=interpret,
+        **common,
+    )
+    dbias = None
+    if has_bias:
+        axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias_shape[i] != 1)
+        dbias = jnp.sum(dbias_full, axis=axes, keepdims=True).astype(bias.dtype)
+    return dq, dk, dv, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+
+
+def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bool:
+    """Whether ``p`` can compile and run: shared memory and accumulator registers (rough)."""
+    item = 4 if shape.dtype == "float32" else 2
+    d = _block_d(shape.head_dim)
+    bq, bk, warps = p.q_blocksize, p.kv_blocksize, p.num_warps
+    if min(bq, bk) < _MIN_BLOCK:
+        return False
+    if bq > max(_MIN_BLOCK, _next_pow2(shape.seq_q)) or bk > max(
+        _MIN_BLOCK, _next_pow2(shape.seq_k)
+    ):
+        return False  # a smaller block covers the sequence: same result, less work
+    threads = 32 * warps
+    if not backward:
+        smem = item * d * (bq + 2 * bk * p.num_stages)
+        regs = (bq * d + bq * bk) / threads
+    else:
+        # dK/dV: k, v resident, q and dout streamed, p^T and ds^T staged for the second dots;
+        # dQ: the mirror image (q, dout resident, k and v streamed).
+        smem = max(
+            item * (d * (2 * bk + 2 * bq * p.num_stages) + 2 * bq * bk),
+            item * (d * (2 * bq + 2 * bk * p.num_stages) + 2 * bq * bk),
+        )
+        regs = max(2 * bk * d, bq * d) / threads + bq * bk / threads
+    return smem <= _SMEM_BYTES and regs <= 2 * _MAX_ACC_PER_THREAD
+
+
+def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
+    d = _block_d(shape.head_dim)
+    if d <= 64:
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    elif d <= 128:
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    else:
+        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
+        bp = BwdParams(q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=1)
+    sq = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
+    sk = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
+    fp = dataclasses.replace(
+        fp, q_blocksize=min(fp.q_blocksize, sq), kv_blocksize=min(fp.kv_blocksize, sk)
+    )
+    bp = dataclasses.replace(
+        bp, q_blocksize=min(bp.q_blocksize, sq), kv_blocksize=min(bp.kv_blocksize, sk)
+    )
+    return fp, bp
+
+
+def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
+    """Configs for the tuner: forward variants with the heuristic backward, then backward variants
+    with the heuristic forward, leaving out those that cannot fit or are larger than needed."""
+    heur_f, heur_b = heuristic(shape)
+    fwds = [
+        FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq in (64, 128)
+        for bk in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3, 4)
+    ]
+    bwds = [
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+        for bq, bk in ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (128, 128))
+        for w in (4, 8)
+        for s in (1, 2, 3)
+    ]
+    out = [(heur_f, heur_b)]
+    out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
+    out += [(heur_f, b) for b in bwds if b != heur_b and _fits(shape, b, backward=True)]
+    return out
+
+
+def _available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    if jax.default_backend() == "gpu":
+        return importlib.util.find_spec("jax_triton") is not None
+    return True  # the interpreter runs the kernels anywhere (slowly: for tests)
+
+
+BACKEND = register_backend(
+    AttentionBackend(
+        platform="triton",
+        variant="triton",
+        devices=("gpu",),
+        fwd=fwd,
+        bwd=bwd,
+        unsupported=frozenset(),
+        heuristic=heuristic,
+        candidates=candidates,
+        available=_available,
+    )
+)

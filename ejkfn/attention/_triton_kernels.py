@@ -1,0 +1,790 @@
+"""Triton flash-attention kernels: forward, and a FlashAttention-2 style backward without atomics.
+
+Imported only through :func:`ejkfn._triton_interpret.load_kernels`, which decides first whether
+Triton runs compiled or in its interpreter (the choice is made when ``triton`` is first imported).
+
+Layouts: q/out/dout ``[B, Sq, H, D]``, k/v ``[B, Sk, KVH, D]``, lse/delta ``[B, H, Sq]`` float32,
+bias/mask ``[B|1, H|1, Sq|1, Sk|1]`` (a broadcast dimension has stride 0), segment ids ``[B, S]``.
+Each kernel is also ``@no_type_check`` so that jaxtyping's import hook (used by the test run) leaves
+it undecorated: Triton reads the function's own source and globals.
+
+Every size, stride and feature switch is a ``tl.constexpr``: JAX shapes are static, so a stride that
+is a compile-time constant costs nothing and lets Triton prove alignment and vectorise loads.
+
+Scores are kept in base-2 units (``s * log2(e)``) so that the softmax uses ``exp2``; the returned
+log-sum-exp is in natural units, as the contract says. Masking is applied only on the key blocks
+that need it: with no window, segment ids or mask, a q block first runs over the key blocks it sees
+entirely, then (causal diagonal, ragged last block) over the rest with the visibility mask.
+"""
+
+from typing import no_type_check
+
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+_GOLDEN = tl.constexpr(0x9E3779B1)
+_M1 = tl.constexpr(0x7FEB352D)
+_M2 = tl.constexpr(0x846CA68B)
+
+
+@triton.jit
+@no_type_check
+def _mix32(x):
+    # lowbias32, exactly as ejkfn.attention._dropout.mix32 (uint32 arithmetic, logical shifts).
+    x = x ^ (x >> 16)
+    x = x * _M1
+    x = x ^ (x >> 15)
+    x = x * _M2
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+@no_type_check
+def _keep(seed, b, h, rows, cols, HEADS: tl.constexpr, SEQ_Q: tl.constexpr, THRESH: tl.constexpr):
+    """Dropout keep decision for the broadcast index tiles ``rows``/``cols`` (see ``_dropout``)."""
+    row = (b.to(tl.uint32) * HEADS + h.to(tl.uint32)) * SEQ_Q + rows.to(tl.uint32)
+    bits = _mix32(seed ^ _mix32(row * _GOLDEN + cols.to(tl.uint32)))
+    return bits >= THRESH
+
+
+@triton.jit
+@no_type_check
+def _tanh(x):
+    # 1 - 2 / (exp(2x) + 1): saturates cleanly to +-1 (exp overflow gives 1, underflow gives -1).
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * _LOG2E)) + 1.0)
+
+
+@triton.jit
+@no_type_check
+def _scores(
+    qk,
+    rows,
+    cols,
+    bias_base,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+):
+    """Logits in base-2 units, and ``tanh(s / cap)`` (for the soft cap's derivative; else ``qk``)."""
+    if SOFT_CAP > 0:
+        t = _tanh(qk * (SCALE / SOFT_CAP))
+        s = t * SOFT_CAP
+    else:
+        t = qk
+        s = qk * SCALE
+    if HAS_BIAS:
+        inb = (rows < SEQ_Q) & (cols < SEQ_K)
+        s += tl.load(bias_base + rows * SBM + cols * SBN, mask=inb, other=0.0).to(tl.float32)
+    return s * _LOG2E, t
+
+
+@triton.jit
+@no_type_check
+def _visible(
+    rows,
+    cols,
+    qseg_base,
+    kvseg_base,
+    mask_base,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+):
+    """Which (row, col) pairs of the broadcast index tiles are visible (the spec's rules)."""
+    inb = (rows < SEQ_Q) & (cols < SEQ_K)
+    ok = inb
+    pos = rows + (SEQ_K - SEQ_Q)
+    if CAUSAL:
+        ok = ok & (cols <= pos)
+    if WINDOW_LEFT >= 0:
+        ok = ok & (cols >= pos - WINDOW_LEFT)
+    if WINDOW_RIGHT >= 0:
+        ok = ok & (cols <= pos + WINDOW_RIGHT)
+    if HAS_SEG:
+        qs = tl.load(qseg_base + rows, mask=rows < SEQ_Q, other=-1)
+        ks = tl.load(kvseg_base + cols, mask=cols < SEQ_K, other=-2)
+        ok = ok & (qs == ks)
+    if HAS_MASK:
+        mk = tl.load(mask_base + rows * SMM + cols * SMN, mask=inb, other=0)
+        ok = ok & (mk != 0)
+    return ok
+
+
+@triton.jit
+@no_type_check
+def _kv_blocks(
+    m0,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Key range ``[lo, hi)`` a q block starting at ``m0`` may see, and where its fully visible
+    blocks end (``full``: blocks in ``[lo, full)`` need no mask; meaningful only with ``SPLIT``)."""
+    shift = SEQ_K - SEQ_Q
+    lo = m0 * 0
+    hi = m0 * 0 + SEQ_K
+    if CAUSAL:
+        hi = tl.minimum(hi, m0 + (BLOCK_Q + shift))
+    if WINDOW_RIGHT >= 0:
+        hi = tl.minimum(hi, m0 + (BLOCK_Q + shift + WINDOW_RIGHT))
+    if WINDOW_LEFT >= 0:
+        lo = tl.maximum(m0 + (shift - WINDOW_LEFT), 0) // BLOCK_K * BLOCK_K
+    full = lo
+    if SPLIT:
+        full = m0 * 0 + (SEQ_K // BLOCK_K) * BLOCK_K
+        if CAUSAL:
+            full = tl.minimum(full, tl.maximum(m0 + (shift + 1), 0) // BLOCK_K * BLOCK_K)
+    return lo, hi, full
+
+
+@triton.jit
+@no_type_check
+def _q_blocks(
+    n0,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Query range ``[lo, hi)`` that may see the key block starting at ``n0``; with ``SPLIT``,
+    q blocks from ``full`` on see the whole key block (need no mask)."""
+    shift = SEQ_K - SEQ_Q
+    lo = n0 * 0
+    hi = n0 * 0 + SEQ_Q
+    if CAUSAL:
+        lo = tl.maximum(n0 - shift, 0) // BLOCK_Q * BLOCK_Q
+    if WINDOW_RIGHT >= 0:
+        lo = tl.maximum(lo, tl.maximum(n0 - (shift + WINDOW_RIGHT), 0) // BLOCK_Q * BLOCK_Q)
+    if WINDOW_LEFT >= 0:
+        hi = tl.minimum(hi, n0 + (BLOCK_K + WINDOW_LEFT - shift))
+    full = hi
+    if SPLIT:
+        full = lo
+        if CAUSAL:
+            first = tl.maximum(n0 + (BLOCK_K - 1 - shift), 0)
+            full = tl.minimum(tl.maximum(lo, (first + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q), hi)
+    return lo, hi, full
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+@no_type_check
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    b,
+    h,
+    rows,
+    k_base,
+    v_base,
+    bias_base,
+    mask_base,
+    qseg_base,
+    kvseg_base,
+    seed,
+    start,
+    stop,
+    MASKED: tl.constexpr,
+    HEADS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SKS: tl.constexpr,
+    SVS: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(start, stop, BLOCK_K):
+        cols = n0 + tl.arange(0, BLOCK_K)
+        kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, _t = _scores(
+            qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K,
+            SBM, SBN,
+        )  # fmt: skip
+        if MASKED:
+            ok = _visible(
+                rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
+                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+            )  # fmt: skip
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROP_THRESH > 0:
+            p = tl.where(
+                _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH), p, 0.0
+            )
+        v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+@no_type_check
+def fwd_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KVSeg,
+    Seed,
+    Out,
+    Lse,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SQB: tl.constexpr,
+    SQS: tl.constexpr,
+    SQH: tl.constexpr,
+    SKB: tl.constexpr,
+    SKS: tl.constexpr,
+    SKH: tl.constexpr,
+    SVB: tl.constexpr,
+    SVS: tl.constexpr,
+    SVH: tl.constexpr,
+    SOB: tl.constexpr,
+    SOS: tl.constexpr,
+    SOH: tl.constexpr,
+    SBB: tl.constexpr,
+    SBH: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMB: tl.constexpr,
+    SMH: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HEADS
+    h = bh % HEADS
+    kvh = h // GROUP
+    b64 = b.to(tl.int64)
+    m0 = pid_m * BLOCK_Q
+    rows = m0 + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(
+        Q + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    k_base = K + b64 * SKB + kvh * SKH
+    v_base = V + b64 * SVB + kvh * SVH
+    bias_base = Bias + b64 * SBB + h * SBH
+    mask_base = Mask + b64 * SMB + h * SMH
+    qseg_base = QSeg + b64 * SEQ_Q
+    kvseg_base = KVSeg + b64 * SEQ_K
+    seed = tl.load(Seed).to(tl.uint32)
+
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    lo, hi, full = _kv_blocks(
+        m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
+    )
+    if SPLIT:
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+            kvseg_base, seed, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+            HAS_SEG, DROP_THRESH, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+        kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+        SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+        HAS_SEG, DROP_THRESH, DOT_PRECISION, BLOCK_K, BLOCK_D,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (DROP_SCALE / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * _LN2)
+    o_ptrs = Out + b64 * SOB + h * SOH + rows[:, None] * SOS + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=q_mask)
+    tl.store(Lse + bh.to(tl.int64) * SEQ_Q + rows, lse, mask=rows < SEQ_Q)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+@no_type_check
+def bwd_preprocess_kernel(
+    Out,
+    DOut,
+    Delta,
+    HEADS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SOB: tl.constexpr,
+    SOS: tl.constexpr,
+    SOH: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """``delta = rowsum(dout * out)`` in float32 (out and dout share a layout)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HEADS
+    h = bh % HEADS
+    rows = pid_m * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    msk = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
+    offs = b.to(tl.int64) * SOB + h * SOH + rows[:, None] * SOS + offs_d[None, :]
+    o = tl.load(Out + offs, mask=msk, other=0.0).to(tl.float32)
+    do = tl.load(DOut + offs, mask=msk, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, tl.sum(o * do, 1), mask=rows < SEQ_Q)
+
+
+@triton.jit
+@no_type_check
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    b,
+    h,
+    cols,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    bias_base,
+    mask_base,
+    qseg_base,
+    kvseg_base,
+    dbias_base,
+    seed,
+    start,
+    stop,
+    MASKED: tl.constexpr,
+    HEADS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SQS: tl.constexpr,
+    SDOS: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Works on transposed tiles ([keys, queries]) so that dv += p^T dout and dk += ds^T q need no
+    # transposes of the large operands.
+    offs_d = tl.arange(0, BLOCK_D)
+    for m0 in range(start, stop, BLOCK_Q):
+        rows = m0 + tl.arange(0, BLOCK_Q)
+        q_mask = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_base + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0)
+        lse = tl.load(lse_base + rows, mask=rows < SEQ_Q, other=0.0)
+        # A row with no visible key has lse = -inf; all its scores are masked to -inf too.
+        lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        s_t, t_t = _scores(
+            qk_t, rows[None, :], cols[:, None], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q,
+            SEQ_K, SBM, SBN,
+        )  # fmt: skip
+        if MASKED:
+            ok = _visible(
+                rows[None, :], cols[:, None], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
+                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+            )  # fmt: skip
+            s_t = tl.where(ok, s_t, float("-inf"))
+        p_t = tl.exp2(s_t - lse2[None, :])
+        do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROP_THRESH > 0:
+            keep = _keep(seed, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
+            dv += tl.dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if HAS_BIAS:
+            inb = (rows[None, :] < SEQ_Q) & (cols[:, None] < SEQ_K)
+            tl.store(dbias_base + rows[None, :] * SEQ_K + cols[:, None], ds_t, mask=inb)
+        if SOFT_CAP > 0:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+@no_type_check
+def bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KVSeg,
+    Seed,
+    DOut,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    DBias,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SQB: tl.constexpr,
+    SQS: tl.constexpr,
+    SQH: tl.constexpr,
+    SKB: tl.constexpr,
+    SKS: tl.constexpr,
+    SKH: tl.constexpr,
+    SVB: tl.constexpr,
+    SVS: tl.constexpr,
+    SVH: tl.constexpr,
+    SDOB: tl.constexpr,
+    SDOS: tl.constexpr,
+    SDOH: tl.constexpr,
+    SBB: tl.constexpr,
+    SBH: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMB: tl.constexpr,
+    SMH: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """dK and dV of one key block of one kv head, summed over the query heads of its group."""
+    pid_n = tl.program_id(0)
+    bkvh = tl.program_id(1)
+    kv_heads = HEADS // GROUP
+    b = bkvh // kv_heads
+    kvh = bkvh % kv_heads
+    b64 = b.to(tl.int64)
+    n0 = pid_n * BLOCK_K
+    cols = n0 + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        K + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    v = tl.load(
+        V + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    seed = tl.load(Seed).to(tl.uint32)
+    qseg_base = QSeg + b64 * SEQ_Q
+    kvseg_base = KVSeg + b64 * SEQ_K
+    dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    lo, hi, full = _q_blocks(
+        n0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
+    )
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        bh64 = b64 * HEADS + h
+        q_base = Q + b64 * SQB + h * SQH
+        do_base = DOut + b64 * SDOB + h * SDOH
+        lse_base = Lse + bh64 * SEQ_Q
+        delta_base = Delta + bh64 * SEQ_Q
+        bias_base = Bias + b64 * SBB + h * SBH
+        mask_base = Mask + b64 * SMB + h * SMH
+        dbias_base = DBias + bh64 * SEQ_Q * SEQ_K
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, b, h, cols, q_base, do_base, lse_base, delta_base, bias_base,
+            mask_base, qseg_base, kvseg_base, dbias_base, seed, lo, full, True, HEADS, SEQ_Q,
+            SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
+            WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
+            DOT_PRECISION, BLOCK_Q, BLOCK_D,
+        )  # fmt: skip
+        if SPLIT:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, b, h, cols, q_base, do_base, lse_base, delta_base, bias_base,
+                mask_base, qseg_base, kvseg_base, dbias_base, seed, full, hi, False, HEADS,
+                SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
+                WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
+                DOT_PRECISION, BLOCK_Q, BLOCK_D,
+            )  # fmt: skip
+    if DROP_THRESH > 0:
+        dv = dv * DROP_SCALE
+    dk = dk * SCALE
+    dk_ptrs = DK + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :]
+    dv_ptrs = DV + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :]
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+@no_type_check
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    b,
+    h,
+    rows,
+    k_base,
+    v_base,
+    bias_base,
+    mask_base,
+    qseg_base,
+    kvseg_base,
+    seed,
+    start,
+    stop,
+    MASKED: tl.constexpr,
+    HEADS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SKS: tl.constexpr,
+    SVS: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    offs_d = tl.arange(0, BLOCK_D)
+    for n0 in range(start, stop, BLOCK_K):
+        cols = n0 + tl.arange(0, BLOCK_K)
+        kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        s, t = _scores(
+            qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K,
+            SBM, SBN,
+        )  # fmt: skip
+        if MASKED:
+            ok = _visible(
+                rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
+                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+            )  # fmt: skip
+            s = tl.where(ok, s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROP_THRESH > 0:
+            keep = _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH)
+            dp = tl.where(keep, dp * DROP_SCALE, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFT_CAP > 0:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+@no_type_check
+def bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KVSeg,
+    Seed,
+    DOut,
+    Lse,
+    Delta,
+    DQ,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SQB: tl.constexpr,
+    SQS: tl.constexpr,
+    SQH: tl.constexpr,
+    SKB: tl.constexpr,
+    SKS: tl.constexpr,
+    SKH: tl.constexpr,
+    SVB: tl.constexpr,
+    SVS: tl.constexpr,
+    SVH: tl.constexpr,
+    SDOB: tl.constexpr,
+    SDOS: tl.constexpr,
+    SDOH: tl.constexpr,
+    SBB: tl.constexpr,
+    SBH: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMB: tl.constexpr,
+    SMH: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """dQ of one query block of one head, looping over the key blocks it sees."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HEADS
+    h = bh % HEADS
+    kvh = h // GROUP
+    b64 = b.to(tl.int64)
+    m0 = pid_m * BLOCK_Q
+    rows = m0 + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(
+        Q + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0
+    )
+    do = tl.load(
+        DOut + b64 * SDOB + h * SDOH + rows[:, None] * SDOS + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    lse = tl.load(Lse + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+    delta = tl.load(Delta + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
+    k_base = K + b64 * SKB + kvh * SKH
+    v_base = V + b64 * SVB + kvh * SVH
+    bias_base = Bias + b64 * SBB + h * SBH
+    mask_base = Mask + b64 * SMB + h * SMH
+    qseg_base = QSeg + b64 * SEQ_Q
+    kvseg_base = KVSeg + b64 * SEQ_K
+    seed = tl.load(Seed).to(tl.uint32)
+    dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    lo, hi, full = _kv_blocks(
+        m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
+    )
+    if SPLIT:
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+            kvseg_base, seed, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+        kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+        SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+        HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+    )  # fmt: skip
+    dq = dq * SCALE
+    dq_ptrs = DQ + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :]
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)

@@ -1,0 +1,278 @@
+"""The Triton attention kernels, run in Triton's interpreter, against the dense reference.
+
+Triton decides between compiling and interpreting when it is first imported, so this must come
+before anything imports it (conftest.py may set it too; setdefault keeps an explicit choice).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkfn._registry import BwdParams, FwdParams
+from ejkfn._triton_interpret import import_triton
+from ejkfn.attention import _triton as tri
+from ejkfn.attention._backend import AttentionShape, backend_for
+from ejkfn.attention._reference import reference_attention
+from ejkfn.attention._spec import AttentionSpec
+
+# Small blocks so that short sequences still cross several blocks (and the causal diagonal).
+FP = FwdParams(q_blocksize=32, kv_blocksize=16)
+BP = BwdParams(q_blocksize=16, kv_blocksize=32)
+
+# (atol, rtol) against a float32 reference on the same (rounded) inputs.
+TOL = {
+    jnp.float32: (2e-5, 2e-5),
+    jnp.float16: (4e-3, 4e-3),
+    jnp.bfloat16: (3e-2, 3e-2),
+}
+GRAD_TOL = {
+    jnp.float32: (1e-4, 1e-4),
+    jnp.float16: (1e-2, 1e-2),
+    jnp.bfloat16: (8e-2, 5e-2),
+}
+
+
+def _rng(name: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def _case(
+    name,
+    *,
+    batch=2,
+    seq_q=64,
+    seq_k=64,
+    heads=2,
+    kv_heads=None,
+    dim=32,
+    dtype=jnp.float32,
+    bias_shape=None,
+    mask_shape=None,
+    segments=False,
+    dropout=0.0,
+    **spec_kw,
+):
+    """Fresh random operands (never zeros) and the spec for one test."""
+    rng = _rng(name)
+    kv_heads = kv_heads or heads
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype)
+
+    q = normal(batch, seq_q, heads, dim)
+    k = normal(batch, seq_k, kv_heads, dim)
+    v = normal(batch, seq_k, kv_heads, dim)
+    dout = normal(batch, seq_q, heads, dim)
+    bias = normal(*bias_shape) if bias_shape else None
+    mask = None
+    if mask_shape:
+        mask = jnp.asarray(rng.random(mask_shape) < 0.7)
+    q_seg = kv_seg = None
+    if segments:
+        q_seg = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq_q)), axis=1), jnp.int32)
+        kv_seg = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq_k)), axis=1), jnp.int32)
+    seed = jnp.asarray(rng.integers(0, 2**32, dtype=np.uint32)) if dropout else None
+    spec = AttentionSpec(
+        scale=1.0 / dim**0.5,
+        dropout_prob=dropout,
+        has_bias=bias is not None,
+        has_mask=mask is not None,
+        has_segments=segments,
+        **spec_kw,
+    )
+    return (q, k, v, bias, mask, q_seg, kv_seg, seed), dout, spec
+
+
+def _close(name, got, want, tol):
+    atol, rtol = tol
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert not np.isnan(got).any(), f"{name}: NaN"
+    scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
+    np.testing.assert_allclose(got, want, atol=atol * scale, rtol=rtol, err_msg=name)
+
+
+def _check(args, dout, spec, fp=FP, bp=BP):
+    """Forward and backward under jit against the reference (and its VJP)."""
+    q, k, v, bias, mask, q_seg, kv_seg, seed = args
+    dtype = q.dtype.type
+
+    @jax.jit
+    def run(q, k, v, bias, dout):
+        out, lse = tri.fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec=spec, params=fp)
+        grads = tri.bwd(
+            q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout, spec=spec, params=bp
+        )
+        return out, lse, grads
+
+    out, lse, (dq, dk, dv, dbias) = run(q, k, v, bias, dout)
+
+    def ref(q, k, v, bias):
+        return reference_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, spec=spec)
+
+    (ref_out, ref_lse), vjp = jax.vjp(ref, q, k, v, bias)
+    ref_dq, ref_dk, ref_dv, ref_dbias = vjp((dout.astype(jnp.float32), jnp.zeros_like(ref_lse)))
+
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    _close("out", out, ref_out, TOL[dtype])
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    _close("lse", jnp.where(finite, lse, 0.0), jnp.where(finite, ref_lse, 0.0), TOL[jnp.float32])
+    for name, got, want in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
+        assert got.dtype == q.dtype
+        _close(name, got, want, GRAD_TOL[dtype])
+    if bias is None:
+        assert dbias is None
+    else:
+        assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+        _close("dbias", dbias, ref_dbias, GRAD_TOL[dtype])
+
+
+FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "causal_q_shorter": dict(causal=True, seq_q=40, seq_k=72),
+    "causal_k_shorter": dict(causal=True, seq_q=72, seq_k=40),  # early rows see no key
+    "ragged": dict(seq_q=50, seq_k=70),
+    "gqa_causal": dict(heads=4, kv_heads=2, causal=True),
+    "mqa": dict(heads=4, kv_heads=1, seq_q=48, seq_k=80),
+    "window": dict(window=(9, 5)),
+    "window_causal": dict(window=(20, 0), causal=True, seq_q=56),
+    "window_narrow_gqa": dict(window=(0, 3), heads=4, kv_heads=2, seq_k=80),
+    "segments": dict(segments=True),
+    "segments_causal_gqa": dict(segments=True, causal=True, heads=4, kv_heads=2),
+    "mask_batch": dict(mask_shape=(2, 1, 64, 64)),
+    "mask_full_causal": dict(mask_shape=(2, 2, 64, 64), causal=True),
+    "bias_heads": dict(bias_shape=(1, 2, 64, 64)),
+    "bias_full_causal_gqa": dict(bias_shape=(2, 4, 64, 64), heads=4, kv_heads=2, causal=True),
+    "bias_rows": dict(bias_shape=(2, 1, 1, 48), seq_k=48),
+    "soft_cap": dict(soft_cap=2.0),
+    "soft_cap_bias_causal": dict(soft_cap=3.0, bias_shape=(2, 2, 64, 64), causal=True),
+    "dropout_low": dict(dropout=0.1),  # threshold below 2**31
+    "dropout_high_causal_gqa": dict(dropout=0.6, causal=True, heads=4, kv_heads=2),
+    "scale": dict(scale_factor=3.0),
+    "head_dim_80": dict(dim=80, seq_q=40, seq_k=24, heads=1, batch=1),
+    "head_dim_96_gqa": dict(dim=96, seq_q=32, seq_k=48, heads=2, kv_heads=1, batch=1),
+    "everything": dict(
+        heads=4,
+        kv_heads=2,
+        seq_q=56,
+        seq_k=72,
+        causal=True,
+        window=(30, 2),
+        segments=True,
+        mask_shape=(1, 4, 56, 72),
+        bias_shape=(2, 1, 56, 72),
+        soft_cap=4.0,
+        dropout=0.25,
+    ),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_feature_f32(feature):
+    kw = dict(FEATURES[feature])
+    factor = kw.pop("scale_factor", None)
+    args, dout, spec = _case(feature, **kw)
+    if factor is not None:
+        spec = AttentionSpec(scale=spec.scale * factor)
+    _check(args, dout, spec)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("feature", ["plain", "causal_q_shorter", "bias_heads"])
+def test_low_precision(feature, dtype):
+    args, dout, spec = _case(f"{feature}-{dtype.__name__}", dtype=dtype, **FEATURES[feature])
+    _check(args, dout, spec)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_head_dims(dim):
+    args, dout, spec = _case(f"dim{dim}", dim=dim, seq_q=32, seq_k=32, heads=1, batch=1)
+    _check(args, dout, spec, fp=FwdParams(q_blocksize=16, kv_blocksize=16))
+
+
+def test_heuristic_params_under_vmap():
+    """The heuristic's (large) blocks shrink to short sequences; vmap runs the callback per item."""
+    args, dout, spec = _case("vmap", causal=True, heads=2, batch=1)
+    q, k, v = args[:3]
+    fp, bp = tri.heuristic(AttentionShape.of(q, k, spec))
+    stack = lambda x: jnp.stack([x, 0.5 * x])
+
+    def attend(q, k, v):
+        return tri.fwd(q, k, v, None, None, None, None, None, spec=spec, params=fp)[0]
+
+    out = jax.jit(jax.vmap(attend))(stack(q), stack(k), stack(v))
+    for i, scale in enumerate((1.0, 0.5)):
+        want = reference_attention(scale * q, scale * k, scale * v, spec=spec)[0]
+        _close(f"vmap[{i}]", out[i], want, TOL[jnp.float32])
+    _check(args, dout, spec, fp=fp, bp=bp)
+
+
+def test_fully_masked_rows_are_zero_with_finite_grads():
+    args, dout, spec = _case("empty_rows", seq_q=48, seq_k=16, causal=True)
+    q, k, v = args[:3]
+    out, lse = tri.fwd(*args, spec=spec, params=FP)
+    np.testing.assert_array_equal(np.asarray(out[:, :32]), 0.0)
+    assert np.all(np.isneginf(np.asarray(lse[:, :, :32])))
+    grads = tri.bwd(*args, out, lse, dout, spec=spec, params=BP)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads[:3])
+
+
+def test_dropout_is_deterministic_and_seeded():
+    args, _, spec = _case("dropout_seed", dropout=0.5)
+    first = tri.fwd(*args, spec=spec, params=FP)[0]
+    again = tri.fwd(*args, spec=spec, params=FP)[0]
+    other = tri.fwd(*args[:7], args[7] + jnp.uint32(1), spec=spec, params=FP)[0]
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(again))
+    assert not np.allclose(np.asarray(first), np.asarray(other))
+
+
+def test_configs_fit_and_cover_the_heuristic():
+    for seq, dim, dtype in ((100, 256, "float32"), (2048, 64, "float16"), (4096, 128, "bfloat16")):
+        spec = AttentionSpec(scale=0.1, causal=True)
+        shape = AttentionShape(
+            batch=2, seq_q=seq, seq_k=seq, heads=8, kv_heads=2, head_dim=dim, dtype=dtype, spec=spec
+        )
+        heur = tri.heuristic(shape)
+        cands = tri.candidates(shape)
+        assert cands[0] == heur and len(set(cands)) == len(cands) > 1
+        for fp, bp in cands[1:]:
+            assert tri._fits(shape, fp, backward=False) and tri._fits(shape, bp, backward=True)
+            assert fp.q_blocksize <= max(16, 1 << (seq - 1).bit_length())
+    # a 128 x 128 block pair with 4 stages of 128-wide head dims does not fit in shared memory
+    big = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=4)
+    assert not tri._fits(shape, big, backward=False)
+
+
+def test_registered_backend():
+    backend = backend_for("triton", "triton")
+    assert backend is tri.BACKEND and backend.fwd is tri.fwd and backend.bwd is tri.bwd
+    assert backend.available()
+    backend.check(AttentionSpec(scale=1.0, causal=True, dropout_prob=0.1, window=(1, 1)))
+
+
+def test_clear_errors():
+    args, _, spec = _case("errors", seq_q=16, seq_k=16, batch=1, heads=1)
+    with pytest.raises(ValueError, match="power of two"):
+        tri.fwd(*args, spec=spec, params=FwdParams(q_blocksize=24, kv_blocksize=16))
+    q, k, v = args[:3]
+    with pytest.raises(TypeError, match="one dtype"):
+        tri.fwd(q, k.astype(jnp.bfloat16), v, *args[3:], spec=spec, params=FP)
+    wide = jnp.ones((1, 16, 1, 512), jnp.float32)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        tri.fwd(wide, wide, wide, *args[3:], spec=spec, params=FP)
+    with pytest.raises(ValueError, match="dropout seed"):
+        tri.fwd(*args, spec=AttentionSpec(scale=1.0, dropout_prob=0.5), params=FP)
+    # This process interprets; asking for compiled kernels says how to fix it.
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        import_triton(False)
