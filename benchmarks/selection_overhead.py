@@ -35,17 +35,22 @@ CALLS = 20000
 REPEATS = 7
 
 
-def per_call_us(fn, calls: int = CALLS, repeats: int = REPEATS) -> float:
-    """Median over ``repeats`` of the mean time of ``calls`` back-to-back calls, in microseconds."""
-    for _ in range(1000):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns: dict, calls: int = CALLS, repeats: int = REPEATS) -> dict[str, float]:
+    """Per row, the median over ``repeats`` of the mean time of ``calls`` back-to-back calls (us).
+
+    Rows are interleaved within each repeat, so that a busy machine slows them all alike.
+    """
+    for fn in fns.values():
+        for _ in range(1000):
             fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 REFERENCE = """
@@ -123,13 +128,16 @@ def main() -> None:
     inv = ejkfn.Invocation.of(unconfigured, x)
     caches = ejkfn.Caches().remember(inv.key, cfg)
 
-    rows: dict[str, float] = {}
-    rows["jax.jit directly"] = per_call_us(lambda: direct(x))
-    rows["ejkfn configured"] = per_call_us(lambda: configured(x))
     with ejkfn.use_caches(caches):
         unconfigured(x)
-        rows["ejkfn ambient hit"] = per_call_us(lambda: unconfigured(x))
-    rows["ejkfn explicit select (no call)"] = per_call_us(lambda: ejkfn.select(inv, caches))
+        rows = per_call_us(
+            {
+                "jax.jit directly": lambda: direct(x),
+                "ejkfn configured": lambda: configured(x),
+                "ejkfn ambient hit": lambda: unconfigured(x),
+                "ejkfn explicit select (no call)": lambda: ejkfn.select(inv, caches),
+            }
+        )
     ref = reference_row()
 
     floor = rows["jax.jit directly"]

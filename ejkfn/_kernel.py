@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from ._ambient import current_session
 from ._invocation import Invocation, merge_static, split_static
 
 __all__ = ["Kernel"]
@@ -135,7 +136,6 @@ class Kernel(eqx.Module, Generic[Cfg, Out]):
 
 
 def _select_ambient(kernel: Kernel, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    from ._ambient import current_session
     from ._select import select
 
     session = current_session()
@@ -173,22 +173,29 @@ def _eager_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    from ._ambient import current_session
-
     session = current_session()
     memo_key = (id(kernel), cfg, signature)
     hit = session.memo.get(memo_key)
     if hit is not None and hit[0] is kernel:
+        if hit[2]:
+            return hit[1](*args)
         return hit[1](args, kwargs)
-    fn = _build_eager(kernel, cfg, args, kwargs)
+    fn, flat = _build_eager(kernel, cfg, args, kwargs)
     if len(session.memo) >= _MEMO_LIMIT:
         session.memo.clear()
-    session.memo[memo_key] = (kernel, fn)  # holding the kernel keeps its id from being reused
-    return fn(args, kwargs)
+    session.memo[memo_key] = (kernel, fn, flat)  # holding the kernel keeps its id from being reused
+    return fn(*args) if flat else fn(args, kwargs)
 
 
-def _build_eager(kernel: Kernel, cfg: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A jitted function of the call's arrays, with the config chosen once, here."""
+def _build_eager(
+    kernel: Kernel, cfg: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, bool]:
+    """A jitted function of the call's arrays, with the config chosen once, here.
+
+    Returns it and whether it is "flat": called as ``fn(*args)`` (only positional arrays, a kernel
+    without array fields: the common case, kept to one Python call on the hot path), otherwise
+    ``fn(args, kwargs)``.
+    """
     prepared_args, prepared_kwargs = kernel.prepare(*args, **kwargs)
     if cfg is None:
         cfg = _select_ambient(kernel, prepared_args, prepared_kwargs)
@@ -210,4 +217,13 @@ def _build_eager(kernel: Kernel, cfg: Any, args: tuple[Any, ...], kwargs: dict[s
             dynamic += [kwargs[k] for k in sorted(kwargs) if type(kwargs[k]) is _ArrayImpl]
         return run(kernel_leaves, dynamic)
 
-    return call
+    if kernel_leaves or kwargs or any(type(a) is not _ArrayImpl for a in args):
+        return call, False
+
+    @jax.jit
+    def run_flat(*dynamic: Any) -> Any:
+        a, kw = merge_static(list(dynamic), static)
+        a, kw = configured.prepare(*a, **kw)
+        return configured.execute(cfg, a, kw)
+
+    return run_flat, True
