@@ -63,6 +63,18 @@ def configure_tree(
     returns the configured model with the updated caches. Kernels already configured keep their
     config. A kernel called at several shapes gets the config of its first call (with a warning when
     the others would choose differently).
+
+    >>> import equinox as eqx, jax.numpy as jnp, ejkfn
+    >>> from ejkfn.testing import Scale
+    >>> class Model(eqx.Module):
+    ...     small: Scale
+    ...     large: Scale
+    >>> model = Model(Scale(), Scale())
+    >>> fn = lambda m, x, y: m.small(x).sum() + m.large(y).sum()
+    >>> configured, caches = ejkfn.configure_tree(fn, model, jnp.ones((2, 4)), jnp.ones((64, 4)),
+    ...     caches=ejkfn.Caches(), policy=ejkfn.AutotunePolicy(allow_autotune=False))
+    >>> configured.small.cfg, configured.large.cfg
+    (ScaleCfg(block=2), ScaleCfg(block=64))
     """
     inside = {id(k): k for k in jax.tree.leaves(model, is_leaf=_is_kernel) if _is_kernel(k)}
     with recording() as recorder:

@@ -49,7 +49,11 @@ def _default_device() -> jax.Device:
 
 
 def device_kind(device: jax.Device | None = None) -> Literal["gpu", "tpu", "cpu"]:
-    """The kind of accelerator: ``"gpu"``, ``"tpu"`` or ``"cpu"``."""
+    """The kind of accelerator: ``"gpu"``, ``"tpu"`` or ``"cpu"``.
+
+    >>> device_kind() in ("gpu", "tpu", "cpu")
+    True
+    """
     platform = (device or _default_device()).platform
     if platform in ("gpu", "cuda", "rocm"):
         return "gpu"

@@ -101,7 +101,16 @@ def decide(
     tuner: Tuner | None = None,
     on_event: Callable[[Decision], None] | None = None,
 ) -> tuple[Decision, Caches]:
-    """Like :func:`select`, but returns the whole :class:`Decision` instead of the config alone."""
+    """Like :func:`select`, but returns the whole :class:`Decision` instead of the config alone.
+
+    >>> import jax.numpy as jnp, ejkfn
+    >>> inv = ejkfn.Invocation.of(ejkfn.testing.Scale(), jnp.ones((4, 8)))
+    >>> decision, caches = ejkfn.decide(inv, ejkfn.Caches(), tuner=ejkfn.Tuner(warmup=0, iters=1))
+    >>> decision.tier, len(decision.tune.results)   # blocks 1, 2 and 4 divide 4 rows
+    ('autotune', 3)
+    >>> ejkfn.decide(inv, caches)[0].tier
+    'memory'
+    """
     policy = policy or _DEFAULT_POLICY
     override = inv.cfg if inv.cfg is not None else inv.kernel.cfg
     if override is not None:

@@ -112,7 +112,14 @@ def stable_json(obj: Any) -> str:
 
 
 def to_json(cfg: Any) -> str:
-    """A config as canonical JSON text."""
+    """A config as canonical JSON text.
+
+    >>> from ejkfn.testing import ScaleCfg
+    >>> to_json(ScaleCfg(block=4))
+    '{"fields":{"block":4},"type":"ejkfn.testing:ScaleCfg"}'
+    >>> from_json(to_json(ScaleCfg(block=4)))
+    ScaleCfg(block=4)
+    """
     return stable_json(cfg_to_dict(cfg))
 
 

@@ -264,6 +264,13 @@ def autotune(
 
     Raises ``RuntimeError`` listing every failure when no candidate works. For the full measurements
     use ``Tuner.tune``.
+
+    >>> import jax.numpy as jnp, ejkfn
+    >>> from ejkfn.testing import Scale, ScaleCfg
+    >>> cfg = ejkfn.autotune(Scale(), jnp.ones((4, 8)), candidates=[ScaleCfg(block=1), ScaleCfg(block=2)],
+    ...                      tuner=ejkfn.Tuner(warmup=0, iters=1))
+    >>> cfg in (ScaleCfg(block=1), ScaleCfg(block=2))
+    True
     """
     from ._invocation import Invocation
 
