@@ -785,5 +785,6 @@ BACKEND = register_backend(
         unsupported=frozenset(),
         heuristic=heuristic,
         candidates=candidates,
+        available=lambda: jax.default_backend() in ("gpu", "cpu"),  # cpu: the interpreter
     )
 )

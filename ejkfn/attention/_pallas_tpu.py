@@ -630,5 +630,6 @@ BACKEND = register_backend(
         unsupported=frozenset(),
         heuristic=heuristic,
         candidates=candidates,
+        available=lambda: jax.default_backend() in ("tpu", "cpu"),  # cpu: the interpreter
     )
 )

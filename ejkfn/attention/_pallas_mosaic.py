@@ -1,0 +1,408 @@
+"""Flash attention forward in Pallas Mosaic GPU for Hopper (variant ``"mosaic"``).
+
+One CTA per (head, 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 rows each
+and one memory warpgroup. The memory warpgroup streams K and V blocks with TMA into a ring of shared
+memory slots (``num_stages`` deep); each compute warpgroup multiplies with ``wgmma`` (Q from shared
+memory, P from registers), runs the online softmax in registers, and marks each slot consumed so the
+ring refills. Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its
+own last visible block and only acknowledges the rest (which its neighbour still needs), so barrier
+phases stay in step. Blocks wholly below the diagonal take an unmasked path.
+
+The backward pass reuses the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without
+atomics); the ``lse`` this forward writes is the same natural-log residual they expect.
+
+Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
+key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
+``NotImplementedError``: bias, mask, segment ids, sliding window, soft cap, dropout, float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .._registry import BwdParams, FwdParams
+from . import _pallas_gpu
+from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._spec import AttentionSpec
+
+__all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
+COMPUTE_WGS = 2
+CTA_ROWS = WG_ROWS * COMPUTE_WGS
+_SMEM_LIMIT = 220 * 1024
+_UNSUPPORTED = frozenset(
+    {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
+)
+_FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
+
+
+def available() -> bool:
+    """Whether the default device is a Hopper (sm_90) GPU."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
+
+
+def _padded_head_dim(d: int) -> int:
+    return -(-d // 64) * 64
+
+
+def _refuse(spec: AttentionSpec, q: Any, k: Any) -> None:
+    missing = sorted(spec.features & _UNSUPPORTED)
+    if missing:
+        raise NotImplementedError(
+            f"platform 'pallas' (mosaic) does not support {', '.join(missing)}"
+        )
+    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        raise NotImplementedError(
+            f"platform 'pallas' (mosaic) needs float16 or bfloat16 inputs; got {jnp.dtype(q.dtype)}"
+        )
+    if not (q.dtype == k.dtype):
+        raise NotImplementedError(f"q and k/v must share a dtype; got {q.dtype} and {k.dtype}")
+    if _padded_head_dim(q.shape[-1]) > 256:
+        raise NotImplementedError(
+            f"platform 'pallas' (mosaic) supports head dim up to 256; got {q.shape[-1]}"
+        )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"heads={q.shape[2]} must be a multiple of kv_heads={k.shape[2]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    causal: bool
+    scale: float
+    seq_q: int
+    seq_k: int
+    group: int
+    dpad: int
+    bk: int
+    slots: int
+    fused_pv: bool = True
+
+    @property
+    def offset(self) -> int:
+        return self.seq_k - self.seq_q
+
+    def steps(self, last_row: Any) -> Any:
+        """Key blocks that rows up to ``last_row`` see."""
+        last = jnp.int32(self.seq_k - 1)
+        if self.causal:
+            last = jnp.minimum(last, last_row + self.offset)
+        return lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+
+    def full_steps(self, first_row: Any, steps: Any) -> Any:
+        """Leading key blocks fully visible to every row from ``first_row`` on (no mask needed)."""
+        last = jnp.int32(self.seq_k - 1)
+        if self.causal:
+            last = jnp.minimum(last, first_row + self.offset)
+        return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), self.bk), steps)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g: _Geom) -> None:
+    qo_smem, k_smem, v_smem, lse_smem = smem[:4]
+    k_ready, v_ready, q_ready = ready
+    k_used, v_used = consumed
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    cta_base = lax.axis_index("q_tiles") * CTA_ROWS
+    cta_steps = g.steps(cta_base + CTA_ROWS - 1)
+    bk, slots = g.bk, g.slots
+    dtype = q_ref.dtype
+
+    def slot_of(step: Any) -> Any:
+        return lax.rem(step, jnp.int32(slots))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute() -> None:
+        plgpu.set_max_registers(232, action="increase")
+        q_smem = qo_smem.at[wg]
+        q_base = cta_base + wg * WG_ROWS
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, WG_ROWS), h], q_smem, q_ready.at[wg])
+        steps = g.steps(q_base + WG_ROWS - 1)
+        full = g.full_steps(q_base, steps)
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        def step(kv: Any, carry: Any, masked: bool) -> Any:
+            acc, m, den = carry
+            slot = slot_of(kv)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref: Any) -> Any:
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
+            s = s * (g.scale * LOG2E)
+            if masked:
+                shape = (WG_ROWS, bk)
+                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                cols = cols + kv * bk
+                ok = cols < g.seq_k
+                if g.causal:
+                    ok = ok & (cols <= rows + (q_base + g.offset))
+                s = jnp.where(ok, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            den = den * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            if g.fused_pv:  # accumulate onto the rescaled output in the wgmma accumulator
+
+                def pv(acc_ref: Any) -> None:
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:  # the interpreter's wgmma takes operands from shared memory, without run_state
+                p_smem = smem[4].at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv_alone(acc_ref: Any) -> Any:
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32))
+            plgpu.barrier_arrive(v_used.at[slot])
+            return acc, m_new, den
+
+        def acknowledge(kv: Any, carry: Any) -> Any:
+            # Blocks only the other warpgroup needs: wait for each copy before releasing its slot,
+            # so this warpgroup's arrivals never count towards a later phase of the slot's barrier.
+            slot = slot_of(kv)
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_used.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_used.at[slot])
+            return carry
+
+        carry = (
+            plgpu.layout_cast(jnp.full((WG_ROWS, g.dpad), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(
+                jnp.full((WG_ROWS,), _FINITE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            ),
+            plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+        lax.fori_loop(steps, cta_steps, acknowledge, None)
+
+        den = jnp.maximum(den, 1e-30)  # rows with no visible key: acc is 0, out is 0
+        acc = acc / lax.broadcast_in_dim(den, acc.shape, [0])
+        q_smem[...] = acc.astype(dtype)
+        lse_smem.at[wg][...] = m * LN2 + jnp.log(den)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q_base, WG_ROWS), h])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, WG_ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _memory() -> None:
+        plgpu.set_max_registers(40, action="decrease")
+        kvh = lax.div(h, jnp.int32(g.group))
+
+        def fetch(kv: Any, slot: Any) -> None:
+            src = (b, pl.ds(kv * bk, bk), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+
+        for i in range(slots):
+            pl.when(i < cta_steps)(functools.partial(fetch, i, i))
+
+        def refill(kv: Any, carry: Any) -> Any:
+            slot = slot_of(kv)
+            src = (b, pl.ds(kv * bk, bk), kvh)
+            plgpu.barrier_wait(k_used.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+            plgpu.barrier_wait(v_used.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+            return carry
+
+        lax.fori_loop(slots, cta_steps, refill, None)
+
+        def drain(kv: Any, carry: Any) -> Any:
+            # Observe the last releases too, so every barrier phase is waited on before exit.
+            plgpu.barrier_wait(k_used.at[slot_of(kv)])
+            plgpu.barrier_wait(v_used.at[slot_of(kv)])
+            return carry
+
+        lax.fori_loop(jnp.maximum(cta_steps - slots, 0), cta_steps, drain, None)
+
+
+def _interpreting(interpret: bool | None) -> bool:
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
+def fwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any = None,
+    mask: Any = None,
+    q_seg: Any = None,
+    kv_seg: Any = None,
+    seed: Any = None,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Forward pass: ``(out [B, Sq, H, D], lse [B, H, Sq] float32)``.
+
+    ``params.kv_blocksize`` is the key block (64, 128 or 256), ``params.num_stages`` the depth of the
+    shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64).
+    On a CPU the kernel runs in Mosaic GPU's interpreter (threads, barriers and TMA simulated: slow).
+    """
+    _refuse(spec, q, k)
+    batch, seq_q, heads, head_dim = q.shape
+    _, seq_k, kv_heads, _ = k.shape
+    params = params or heuristic(AttentionShape.of(q, k, spec))[0]
+    bk = min(params.kv_blocksize, max(64, -(-seq_k // 64) * 64))
+    if bk % 64 or bk > 256:
+        raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128 or 256")
+    g = _Geom(
+        causal=spec.causal,
+        scale=spec.scale,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        group=heads // kv_heads,
+        dpad=_padded_head_dim(head_dim),
+        bk=bk,
+        slots=max(2, params.num_stages),
+        fused_pv=not _interpreting(interpret),
+    )
+    sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
+    skp = -(-seq_k // bk) * bk
+    g = dataclasses.replace(g, slots=min(g.slots, max(2, skp // bk)))
+
+    def pad(x: Any, seq: int) -> Any:
+        return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))
+
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, WG_ROWS, g.dpad), q.dtype, transforms=tiled),
+        plgpu.SMEM((g.slots, bk, g.dpad), q.dtype, transforms=tiled),
+        plgpu.SMEM((g.slots, bk, g.dpad), q.dtype, transforms=tiled),
+        plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
+    )
+    if not g.fused_pv:
+        smem = (*smem, plgpu.SMEM((COMPUTE_WGS, WG_ROWS, bk), q.dtype, transforms=tiled))
+    ready = (
+        plgpu.Barrier(num_barriers=g.slots),
+        plgpu.Barrier(num_barriers=g.slots),
+        plgpu.Barrier(num_barriers=COMPUTE_WGS),
+    )
+    consumed = (
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
+    )
+    out, lse = plgpu.kernel(
+        functools.partial(_fwd_kernel, g=g),
+        out_type=(
+            jax.ShapeDtypeStruct((batch, sqp, heads, g.dpad), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
+        ),
+        scratch_types=(smem, ready, consumed),
+        grid=(heads, sqp // CTA_ROWS, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if _interpreting(interpret) else None,
+    )(pad(q, sqp), pad(k, skp), pad(v.astype(q.dtype), skp))
+    lse = lse[:, :, :seq_q]
+    lse = jnp.where(lse < 0.5 * _FINITE_FLOOR, -jnp.inf, lse)  # rows that saw no key
+    return out[:, :seq_q, :, :head_dim], lse
+
+
+def bwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any,
+    mask: Any,
+    q_seg: Any,
+    kv_seg: Any,
+    seed: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    *,
+    spec: AttentionSpec,
+    params: BwdParams | None = None,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Backward pass through the Triton-lowering kernels of :mod:`._pallas_gpu` (same features)."""
+    _refuse(spec, q, k)
+    params = params or heuristic(AttentionShape.of(q, k, spec))[1]
+    return _pallas_gpu.bwd(
+        q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,
+        spec=spec, params=params, interpret=interpret,
+    )  # fmt: skip
+
+
+def _smem_bytes(d: int, bk: int, slots: int) -> int:
+    return 2 * (CTA_ROWS * d + 2 * slots * bk * d) + CTA_ROWS * 4
+
+
+def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    """128-row query tiles; the largest key block and ring that fit shared memory."""
+    d = _padded_head_dim(shape.head_dim)
+    bk, slots = (128, 3) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
+    fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
+    return fp, _pallas_gpu.heuristic(shape)[1]
+
+
+def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
+    """Key blocks and ring depths that fit shared memory, with the Triton backward's candidates."""
+    d = _padded_head_dim(shape.head_dim)
+    heur = heuristic(shape)
+    out = [heur]
+    seq_k = max(64, -(-shape.seq_k // 64) * 64)
+    for bk in (64, 128, 256):
+        for slots in (2, 3, 4):
+            fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
+            if (
+                bk <= seq_k
+                and _smem_bytes(d, bk, slots) <= _SMEM_LIMIT
+                and (fp, heur[1]) not in out
+            ):
+                out.append((fp, heur[1]))
+    for _, bp in _pallas_gpu.candidates(shape):
+        if (heur[0], bp) not in out:
+            out.append((heur[0], bp))
+    return out
+
+
+BACKEND = register_backend(
+    AttentionBackend(
+        platform="pallas",
+        variant="mosaic",
+        devices=("gpu",),
+        fwd=fwd,
+        bwd=bwd,
+        unsupported=_UNSUPPORTED,
+        heuristic=heuristic,
+        candidates=candidates,
+        available=available,
+    )
+)

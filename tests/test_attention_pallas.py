@@ -1,0 +1,386 @@
+"""The Pallas attention kernels checked directly against the dense reference.
+
+On the CPU the Triton-lowering and Mosaic-TPU kernels run in Pallas's interpreter (small shapes); the
+GPU and TPU lowerings are checked by lowering for "cuda"/"tpu" against an abstract device, which runs
+the whole Pallas-to-Triton/Mosaic lowering without a chip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+
+from ejkfn._registry import BwdParams, FwdParams
+from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_tpu
+from ejkfn.attention._backend import AttentionShape, backend_for
+from ejkfn.attention._reference import reference_attention
+from ejkfn.attention._spec import AttentionSpec
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+# max |got - want| / max |want|, per dtype (inputs are rounded to the dtype before the f32 reference)
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.5e-2, jnp.float16: 4e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    seq_q: int = 64
+    seq_k: int = 64
+    heads: int = 2
+    kv_heads: int = 2
+    dim: int = 32
+    dtype: type = jnp.float32
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    cap: float | None = None
+    bias: tuple[int, int] | None = None  # (batch|1, heads|1) of the bias
+    mask: tuple[int, int] | None = None
+    segments: bool = False
+    dropout: float = 0.0
+
+    @property
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(
+            scale=float(self.dim) ** -0.5,
+            causal=self.causal,
+            window=self.window,
+            soft_cap=self.cap,
+            dropout_prob=self.dropout,
+            has_bias=self.bias is not None,
+            has_mask=self.mask is not None,
+            has_segments=self.segments,
+        )
+
+
+def _inputs(case: Case, seed: int) -> dict:
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    b, sq, sk, h, kvh, d = (
+        case.batch,
+        case.seq_q,
+        case.seq_k,
+        case.heads,
+        case.kv_heads,
+        case.dim,
+    )
+
+    def normal(shape):
+        return jax.random.normal(next(keys), shape, jnp.float32).astype(case.dtype)
+
+    x = dict(q=normal((b, sq, h, d)), k=normal((b, sk, kvh, d)), v=normal((b, sk, kvh, d)))
+    x["dout"] = normal((b, sq, h, d))
+    x["bias"] = (
+        None if case.bias is None else 2.0 * normal((*case.bias, sq, sk)).astype(jnp.float32)
+    )
+    x["mask"] = (
+        None if case.mask is None else jax.random.bernoulli(next(keys), 0.75, (*case.mask, sq, sk))
+    )
+    x["q_seg"] = x["kv_seg"] = None
+    if case.segments:  # a few packed documents per row, same layout for q and k
+        x["q_seg"] = jnp.sort(jax.random.randint(next(keys), (b, sq), 0, 3), axis=1)
+        x["kv_seg"] = jnp.sort(jax.random.randint(next(keys), (b, sk), 0, 3), axis=1)
+    x["seed"] = jnp.uint32(987654321) if case.dropout else None
+    return x
+
+
+def _err(got, want) -> float:
+    got = np.asarray(got, np.float32)
+    want = np.asarray(want, np.float32)
+    assert got.shape == want.shape
+    assert np.all(np.isfinite(got)), "non-finite values"
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
+
+
+def _check(module, case: Case, fp, bp, seed: int = 0) -> None:
+    x = _inputs(case, seed)
+    spec = case.spec
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    out, lse = jax.jit(functools.partial(module.fwd, spec=spec, params=fp))(*args)
+    assert out.dtype == case.dtype and lse.dtype == jnp.float32
+    assert lse.shape == (case.batch, case.heads, case.seq_q)
+
+    def ref(q, k, v, bias):
+        return reference_attention(q, k, v, bias, *args[4:], spec=spec)
+
+    (want_out, want_lse), vjp = jax.vjp(ref, *args[:4])
+    tol = TOL[case.dtype]
+    assert _err(out, want_out) < tol
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-2)
+
+    grads = jax.jit(functools.partial(module.bwd, spec=spec, params=bp))(*args, out, lse, x["dout"])
+    want = vjp((x["dout"].astype(jnp.float32), jnp.zeros_like(want_lse)))
+    names = ("dq", "dk", "dv", "dbias")
+    for name, got, exp, like in zip(names, grads, want, args[:4], strict=True):
+        if like is None:
+            assert got is None
+            continue
+        assert got.shape == like.shape and got.dtype == like.dtype, name
+        assert _err(got, exp) < 2 * tol, name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton lowering, run in the interpreter.
+
+SMALL_FWD = FwdParams(q_blocksize=32, kv_blocksize=16)
+SMALL_BWD = BwdParams(q_blocksize=16, kv_blocksize=32)
+
+TRITON_CASES = {
+    "plain": Case(batch=2),
+    "causal_gqa_ragged": Case(seq_q=100, seq_k=100, heads=4, kv_heads=2, causal=True),
+    "causal_q_shorter": Case(seq_q=40, seq_k=72, causal=True, heads=3, kv_heads=1),
+    "causal_q_longer": Case(seq_q=72, seq_k=40, causal=True),  # early rows see nothing
+    "window_causal": Case(seq_q=96, seq_k=96, causal=True, window=(20, 0)),
+    "window_two_sided": Case(seq_q=70, seq_k=90, window=(9, 13)),
+    "segments_mask": Case(batch=2, segments=True, mask=(2, 1), causal=True),
+    "bias_softcap_d80": Case(dim=80, bias=(1, 2), cap=4.0, seq_q=48, seq_k=80),
+    "bias_full_gqa": Case(batch=2, heads=4, kv_heads=2, bias=(2, 4), window=(16, 16)),
+    "dropout": Case(dropout=0.25, causal=True, heads=4, kv_heads=2, bias=(1, 1)),
+    "bf16_causal_d64": Case(dtype=jnp.bfloat16, dim=64, causal=True, seq_q=128, seq_k=128),
+    "f16_d128": Case(dtype=jnp.float16, dim=128, seq_q=40, seq_k=56, heads=2, kv_heads=1),
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+def test_triton_matches_reference(name):
+    _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, SMALL_BWD)
+
+
+def test_triton_default_params_and_custom_vjp():
+    """Heuristic params, and jax.grad through a custom_vjp made of fwd/bwd."""
+    case = Case(seq_q=64, seq_k=64, causal=True, heads=2, kv_heads=1)
+    x = _inputs(case, 1)
+    spec = case.spec
+    fp, bp = _pallas_gpu.heuristic(AttentionShape.of(x["q"], x["k"], spec))
+
+    @jax.custom_vjp
+    def attn(q, k, v):
+        return _pallas_gpu.fwd(q, k, v, spec=spec, params=fp)[0]
+
+    def attn_fwd(q, k, v):
+        out, lse = _pallas_gpu.fwd(q, k, v, spec=spec, params=fp)
+        return out, (q, k, v, out, lse)
+
+    def attn_bwd(res, dout):
+        q, k, v, out, lse = res
+        dq, dk, dv, _ = _pallas_gpu.bwd(
+            q, k, v, None, None, None, None, None, out, lse, dout, spec=spec, params=bp
+        )
+        return dq, dk, dv
+
+    attn.defvjp(attn_fwd, attn_bwd)
+
+    def loss(f, q, k, v):
+        return jnp.sum(f(q, k, v) * x["dout"])
+
+    got = jax.jit(jax.grad(functools.partial(loss, attn), argnums=(0, 1, 2)))(
+        x["q"], x["k"], x["v"]
+    )
+    ref = functools.partial(lambda q, k, v: reference_attention(q, k, v, spec=spec)[0])
+    want = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    for a, b in zip(got, want, strict=True):
+        assert _err(a, b) < 4e-5
+
+
+def test_triton_vmap():
+    case = Case(seq_q=32, seq_k=48, causal=True)
+    xs = [_inputs(case, s) for s in (3, 4)]
+    q, k, v = (jnp.stack([x[n] for x in xs]) for n in ("q", "k", "v"))
+    f = functools.partial(_pallas_gpu.fwd, spec=case.spec, params=SMALL_FWD)
+    out, lse = jax.jit(jax.vmap(f))(q, k, v)
+    for i in range(2):
+        want, want_lse = reference_attention(q[i], k[i], v[i], spec=case.spec)
+        assert _err(out[i], want) < 2e-5
+        assert _err(lse[i], want_lse) < 2e-5
+
+
+# ----------------------------------------------------------------------------------------------------
+# Lowering for real chips, without one.
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+
+
+def _lower(module, case: Case, device, platform: str, fp=None, bp=None) -> str:
+    """Lower fwd and bwd of ``module`` for ``platform``; returns the fwd module text."""
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    spec = case.spec
+    f = functools.partial(module.fwd, spec=spec, params=fp, interpret=False)
+    b = functools.partial(module.bwd, spec=spec, params=bp, interpret=False)
+    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    with use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        out = jax.ShapeDtypeStruct(x["q"].shape, x["q"].dtype)
+        lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+        jax.jit(b).trace(*args, out, lse, out).lower(lowering_platforms=(platform,))
+    return text
+
+
+ALL_FEATURES = dict(
+    causal=True,
+    window=(256, 8),
+    cap=30.0,
+    bias=(2, 1),
+    mask=(1, 8),
+    segments=True,
+    dropout=0.1,
+)
+LOWER_CASES = {
+    "bf16_d128_causal": Case(batch=2, seq_q=2048, seq_k=2048, heads=8, kv_heads=8, dim=128,
+                             dtype=jnp.bfloat16, causal=True),
+    "bf16_d128_all_features_gqa": Case(batch=2, seq_q=1000, seq_k=1100, heads=8, kv_heads=2,
+                                       dim=128, dtype=jnp.bfloat16, **ALL_FEATURES),
+    "f16_d256": Case(seq_q=512, seq_k=512, heads=4, kv_heads=4, dim=256, dtype=jnp.float16),
+    "f32_d96_window": Case(seq_q=300, seq_k=300, heads=4, kv_heads=1, dim=96, window=(32, 32)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LOWER_CASES))
+def test_triton_lowers_for_cuda(name):
+    case = LOWER_CASES[name]
+    fp, bp = _pallas_gpu.heuristic(AttentionShape.of(
+        jax.ShapeDtypeStruct((case.batch, case.seq_q, case.heads, case.dim), case.dtype),
+        jax.ShapeDtypeStruct((case.batch, case.seq_k, case.kv_heads, case.dim), case.dtype),
+        case.spec,
+    ))  # fmt: skip
+    text = _lower(_pallas_gpu, case, H100, "cuda", fp, bp)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_triton_configs_fit():
+    spec = AttentionSpec(scale=0.1, causal=True)
+    for s, d, dtype in ((4096, 128, "bfloat16"), (40, 64, "float16"), (2048, 256, "float32")):
+        shape = AttentionShape(
+            batch=2, seq_q=s, seq_k=s, heads=8, kv_heads=8, head_dim=d, dtype=dtype, spec=spec
+        )
+        cands = _pallas_gpu.candidates(shape)
+        assert cands and cands[0] == _pallas_gpu.heuristic(shape)
+        assert len(set(cands)) == len(cands)
+        for fp, bp in cands:
+            assert _pallas_gpu._fits(shape, fp, bp)
+            for p in (fp, bp):
+                assert p.q_blocksize <= max(16, 1 << (s - 1).bit_length())
+    small = AttentionShape(
+        batch=1, seq_q=20, seq_k=20, heads=1, kv_heads=1, head_dim=64, dtype="bfloat16", spec=spec
+    )
+    assert all(p.kv_blocksize <= 32 for c in _pallas_gpu.candidates(small) for p in c)
+    with pytest.raises(ValueError, match="power of two"):
+        x = jnp.zeros((1, 64, 1, 32))
+        _pallas_gpu.fwd(x, x, x, spec=spec, params=FwdParams(q_blocksize=48))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mosaic TPU, run in the interpreter (kv blocks are lane-sized: 128).
+
+TPU_FWD = FwdParams(q_blocksize=64, kv_blocksize=128)
+TPU_BWD = BwdParams(q_blocksize=32, kv_blocksize=128)
+
+TPU_CASES = {
+    "causal_gqa_ragged": Case(seq_q=300, seq_k=270, heads=4, kv_heads=2, causal=True),
+    "window_bias_softcap": Case(batch=2, seq_q=200, seq_k=300, heads=2, kv_heads=1, causal=True,
+                                window=(40, 7), bias=(2, 1), cap=3.0),
+    "segments_mask_dropout": Case(batch=2, segments=True, mask=(1, 2), dropout=0.2),
+    "q_longer_bf16": Case(seq_q=160, seq_k=96, causal=True, dtype=jnp.bfloat16, dim=64),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(TPU_CASES))
+def test_tpu_matches_reference(name):
+    _check(_pallas_tpu, TPU_CASES[name], TPU_FWD, TPU_BWD)
+
+
+def test_tpu_lowers_for_tpu():
+    case = LOWER_CASES["bf16_d128_all_features_gqa"]
+    text = _lower(_pallas_tpu, case, TPU_V5E, "tpu")
+    assert "tpu_custom_call" in text
+    _lower(_pallas_tpu, LOWER_CASES["bf16_d128_causal"], TPU_V5E, "tpu")
+
+
+def test_tpu_block_rules():
+    spec = AttentionSpec(scale=0.1)
+    x = jnp.zeros((1, 300, 1, 32))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        _pallas_tpu.fwd(x, x, x, spec=spec, params=FwdParams(q_blocksize=64, kv_blocksize=64))
+    shape = AttentionShape.of(jnp.zeros((1, 4096, 8, 128)), jnp.zeros((1, 4096, 8, 128)), spec)
+    for fp, bp in _pallas_tpu.candidates(shape):
+        for p in (fp, bp):
+            assert p.q_blocksize % 8 == 0 and p.kv_blocksize % 128 == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Mosaic GPU (Hopper): no interpreter here; check it lowers, and refuses what it cannot do.
+
+MOSAIC_CASES = {
+    "bf16_d128_causal_gqa": Case(batch=2, seq_q=1024, seq_k=1024, heads=8, kv_heads=2, dim=128,
+                                 dtype=jnp.bfloat16, causal=True),
+    "f16_d64": Case(batch=1, seq_q=512, seq_k=512, heads=4, kv_heads=4, dim=64,
+                    dtype=jnp.float16),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(seq_q=128, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
+        Case(seq_q=200, seq_k=100, dim=80, dtype=jnp.bfloat16, causal=True),  # padded, empty rows
+    ],
+    ids=["f16_causal_gqa", "bf16_d80_q_longer"],
+)
+def test_mosaic_forward_in_gpu_interpreter(case):
+    """Mosaic GPU's interpreter simulates the warpgroups, barriers and TMA copies (slow: tiny)."""
+    x = _inputs(case, 2)
+    params = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
+    out, lse = _pallas_mosaic.fwd(x["q"], x["k"], x["v"], spec=case.spec, params=params)
+    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(out, want) < TOL[case.dtype]
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_mosaic_lowers_for_cuda(name):
+    text = _lower(_pallas_mosaic, MOSAIC_CASES[name], H100, "cuda")
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        (Case(dtype=jnp.bfloat16, dim=64, cap=3.0), "logits_soft_cap"),
+        (Case(dtype=jnp.bfloat16, dim=64, segments=True), "segment_ids"),
+        (Case(dtype=jnp.float32, dim=64), "float32"),
+        (Case(dtype=jnp.bfloat16, dim=64, window=(8, 8)), "sliding_window"),
+        (Case(dtype=jnp.bfloat16, dim=320), "head dim"),
+    ],
+)
+def test_mosaic_refuses(case, match):
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    with pytest.raises(NotImplementedError, match=match):
+        backend = backend_for("pallas", "mosaic")
+        backend.check(case.spec)
+        jax.eval_shape(functools.partial(_pallas_mosaic.fwd, spec=case.spec), *args)
+    assert not _pallas_mosaic.available()  # no Hopper GPU in CI
+
+
+def test_registered():
+    for variant, module in (
+        ("triton", _pallas_gpu),
+        ("tpu", _pallas_tpu),
+        ("mosaic", _pallas_mosaic),
+    ):
+        backend = backend_for("pallas", variant)
+        assert backend.fwd is module.fwd and backend.bwd is module.bwd
