@@ -1,0 +1,325 @@
+"""Flash attention on the GPU: correctness first, then TFLOP/s of every platform and its peers.
+
+For each ejkfn backend that can run on this device (each platform and variant, with its heuristic
+config, plus ``platform="auto"``) and the peers (cuDNN and XLA through ``jax.nn.dot_product_attention``,
+JAX's Pallas-Triton ``mha`` where it imports), it
+
+1. checks forward and gradients against an f32 XLA reference on fresh random inputs (bf16 relative
+   error must stay under 2e-2; NaN never passes), and skips timing a failing variant;
+2. times forward and forward+backward: warm-up, then the median of ``--iters`` calls, each ended with
+   ``block_until_ready``, rotating over two input sets;
+3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
+   versions to ``--out`` (default ``benchmarks/results``).
+
+FLOPs: ``4 * B * H * Sq * Sk * D`` forward (half when causal); forward+backward is 3.5 times that.
+
+Usage: ``python benchmarks/attention.py [--quick] [--check-only] [--shapes 2x8192x16x128,...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform as host_platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ejkfn
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+
+FULL_SHAPES = [  # (batch, seq, heads, kv_heads, dim)
+    (4, 4096, 16, 16, 128),
+    (2, 8192, 16, 16, 128),
+    (8, 2048, 32, 32, 64),
+    (2, 8192, 32, 8, 128),
+]
+QUICK_SHAPES = [(2, 4096, 16, 16, 128)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    dim: int
+    causal: bool
+
+    @property
+    def name(self) -> str:
+        gqa = f"/{self.kv_heads}kv" if self.kv_heads != self.heads else ""
+        return f"{self.batch}x{self.seq}x{self.heads}{gqa}x{self.dim}{' causal' if self.causal else ''}"
+
+    def flops(self, backward: bool) -> float:
+        f = 4.0 * self.batch * self.heads * self.seq * self.seq * self.dim
+        if self.causal:
+            f /= 2
+        return f * 3.5 if backward else f
+
+
+def inputs(case: Case, seed: int, dtype: Any = jnp.bfloat16) -> tuple[jax.Array, ...]:
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (case.batch, case.seq, case.heads, case.dim), dtype)
+    k = jax.random.normal(kk, (case.batch, case.seq, case.kv_heads, case.dim), dtype)
+    v = jax.random.normal(kv, (case.batch, case.seq, case.kv_heads, case.dim), dtype)
+    do = jax.random.normal(kd, q.shape, dtype)
+    return q, k, v, do
+
+
+# --- the implementations -------------------------------------------------------------------------
+
+
+def ejkfn_impls(case: Case) -> dict[str, Callable[..., jax.Array]]:
+    """name -> attention(q, k, v) for every ejkfn backend that runs natively here, plus auto."""
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    q_shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
+    k_shape = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
+    shape = AttentionShape.of(q_shape, k_shape, spec)
+    kind = ejkfn.device_kind()
+    impls: dict[str, Callable[..., jax.Array]] = {}
+    for backend in registered_backends():
+        if kind not in backend.devices or not backend.available():
+            continue
+        if backend.platform == "xla" and backend.variant == "dense" and case.seq > 8192:
+            continue
+        try:
+            params = backend.heuristic(shape)
+        except NotImplementedError:
+            continue
+        cfg = AttentionConfig(
+            platform=backend.platform, variant=backend.variant, fwd=params[0], bwd=params[1]
+        )
+        impls[f"ejkfn {backend.platform}/{backend.variant}"] = lambda q, k, v, cfg=cfg: (
+            ejkfn.flash_attention(q, k, v, causal=case.causal, cfg=cfg)
+        )
+    impls["ejkfn auto"] = lambda q, k, v: ejkfn.flash_attention(q, k, v, causal=case.causal)
+    return impls
+
+
+def peer_impls(case: Case) -> dict[str, Callable[..., jax.Array]]:
+    impls: dict[str, Callable[..., jax.Array]] = {}
+    for implementation in ("cudnn", "xla"):
+        impls[f"jax.nn {implementation}"] = lambda q, k, v, implementation=implementation: (
+            jax.nn.dot_product_attention(
+                q, k, v, is_causal=case.causal, implementation=implementation
+            )
+        )
+    try:
+        from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+        if case.heads == case.kv_heads:
+
+            def mha(q, k, v):
+                return pallas_mha.mha(
+                    q, k, v, segment_ids=None, causal=case.causal, sm_scale=case.dim**-0.5
+                )
+
+            impls["jax pallas-triton mha"] = mha
+    except Exception as exc:  # a peer that does not import is reported, not fatal
+        print(f"peer jax pallas mha unavailable: {type(exc).__name__}: {exc}")
+    return impls
+
+
+def reference(q, k, v, causal):
+    group = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    return jax.nn.dot_product_attention(
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        is_causal=causal,
+        implementation="xla",
+    )
+
+
+def rel_err(a: jax.Array, b: jax.Array) -> float:
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    if not np.all(np.isfinite(a)):
+        return float("nan")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def fwd_bwd(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, *vjp(do)
+
+    return run
+
+
+def check(fn: Callable[..., jax.Array], case: Case, seed: int) -> dict[str, float]:
+    q, k, v, do = inputs(case, seed)
+    got = jax.jit(fwd_bwd(fn))(q, k, v, do)
+    want = jax.jit(fwd_bwd(lambda q, k, v: reference(q, k, v, case.causal)))(
+        *(x.astype(jnp.float32) for x in (q, k, v, do))
+    )
+    return {
+        name: rel_err(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+    }
+
+
+def median_ms(
+    fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], warmup: int, iters: int
+) -> float:
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(iters):
+        args = arg_sets[i % len(arg_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def device_info() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    info: dict[str, Any] = {
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "platform_version": str(getattr(dev.client, "platform_version", "")),
+        "host": host_platform.node(),
+        "versions": dict(ejkfn.software_versions()),
+    }
+    try:
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        info["nvidia_smi"] = smi.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one shape, causal and not")
+    parser.add_argument("--check-only", action="store_true", help="correctness only, no timing")
+    parser.add_argument("--shapes", help="BxSxHxD[xKVH] list, comma-separated")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument(
+        "--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results")
+    )
+    args = parser.parse_args()
+
+    if args.shapes:
+        shapes = []
+        for text in args.shapes.split(","):
+            dims = [int(d) for d in text.split("x")]
+            b, s, h, d = dims[:4]
+            shapes.append((b, s, h, dims[4] if len(dims) > 4 else h, d))
+    else:
+        shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    cases = [
+        Case(b, s, h, kvh, d, causal) for (b, s, h, kvh, d) in shapes for causal in (False, True)
+    ]
+
+    info = device_info()
+    print(json.dumps(info))
+    results: list[dict[str, Any]] = []
+    rows: list[tuple[str, str, float | None, float | None, str]] = []
+    for case in cases:
+        impls = {**peer_impls(case), **ejkfn_impls(case)}
+        arg_sets = [inputs(case, seed) for seed in (1, 2)]
+        for name, fn in impls.items():
+            entry: dict[str, Any] = {"case": case.name, "impl": name}
+            try:
+                errors = check(fn, case, seed=len(results) + 7)
+                entry["rel_err"] = errors
+                worst = max(errors.values())
+                ok = worst == worst and worst < 2e-2  # NaN fails
+                entry["correct"] = ok
+                if not ok:
+                    rows.append((case.name, name, None, None, f"WRONG {errors}"))
+                    results.append(entry)
+                    continue
+                if args.check_only:
+                    rows.append((case.name, name, None, None, f"ok (max rel err {worst:.1e})"))
+                    results.append(entry)
+                    continue
+                fwd = jax.jit(fn)
+                fwd_ms = median_ms(fwd, [a[:3] for a in arg_sets], args.warmup, args.iters)
+                entry["fwd_ms"] = fwd_ms
+                entry["fwd_tflops"] = case.flops(False) / fwd_ms / 1e9
+                both = None
+                if not args.no_backward:
+                    fb = jax.jit(fwd_bwd(fn))
+                    both = median_ms(fb, arg_sets, args.warmup, args.iters)
+                    entry["fwd_bwd_ms"] = both
+                    entry["fwd_bwd_tflops"] = case.flops(True) / both / 1e9
+                rows.append(
+                    (
+                        case.name,
+                        name,
+                        entry["fwd_tflops"],
+                        entry.get("fwd_bwd_tflops"),
+                        f"max rel err {worst:.1e}",
+                    )
+                )
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc(limit=3)
+                rows.append((case.name, name, None, None, entry["error"][:80]))
+            results.append(entry)
+            print(
+                f"  {case.name:28} {name:28} {rows[-1][2] or '-'} {rows[-1][3] or '-'} {rows[-1][4]}",
+                flush=True,
+            )
+
+    # ratios to cuDNN, per case
+    cudnn = {r["case"]: r for r in results if r["impl"] == "jax.nn cudnn"}
+    print(
+        f"\n{info.get('device_kind')} | jax {jax.__version__} | bf16 | TFLOP/s (ratio to cuDNN)\n"
+    )
+    print(f"{'case':30} {'implementation':30} {'fwd':>16} {'fwd+bwd':>16}  note")
+    for case_name, name, f, fb, note in rows:
+        base = cudnn.get(case_name, {})
+
+        def cell(v, key):
+            if v is None:
+                return f"{'-':>16}"
+            ref = base.get(key)
+            return f"{v:7.1f} ({v / ref:4.2f}x)" if ref else f"{v:7.1f}        "
+
+        print(
+            f"{case_name:30} {name:30} {cell(f, 'fwd_tflops')} {cell(fb, 'fwd_bwd_tflops')}  {note}"
+        )
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = info["device_kind"].replace(" ", "_")
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    kind = "check" if args.check_only else "bench"
+    path = out / f"attention_{kind}_{tag}_{stamp}.json"
+    path.write_text(
+        json.dumps({"device": info, "date": stamp, "results": results}, indent=1) + "\n"
+    )
+    print(f"\nwrote {path}")
+    return 0 if all(r.get("correct", False) for r in results if "error" not in r) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
