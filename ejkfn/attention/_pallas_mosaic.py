@@ -97,6 +97,10 @@ class _Geom:
     def offset(self) -> int:
         return self.seq_k - self.seq_q
 
+    @property
+    def kv_blocks(self) -> int:
+        return -(-self.seq_k // self.bk)
+
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
         last = jnp.int32(self.seq_k - 1)
@@ -225,7 +229,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
             plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
 
-        for i in range(slots):
+        for i in range(min(slots, g.kv_blocks)):
             pl.when(i < cta_steps)(functools.partial(fetch, i, i))
 
         def refill(kv: Any, carry: Any) -> Any:
