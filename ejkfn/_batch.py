@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding
 
 from ._cache import Caches
 from ._invocation import Invocation, abstractify
@@ -91,11 +92,15 @@ class _Mapped:
     def _mapped(self, cfg: Any, axes: Any) -> Callable[..., Any]:
         configured = self.kernel.with_cfg(cfg)
 
-        def body(*a: Any, **kw: Any) -> Any:
-            with _batch_axes(axes):
-                return configured(*a, **kw)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # Keyword arguments are bound, not mapped: the transforms map positional ones only.
+            def body(*a: Any) -> Any:
+                with _batch_axes(axes):
+                    return configured(*a, **kwargs)
 
-        return self._mapper(body)
+            return self._mapper(body)(*args)
+
+        return call
 
     def configure(
         self, *args: Any, caches: Caches, **kwargs: Any
@@ -208,7 +213,7 @@ def shard_map_with_config(
     """``jax.shard_map`` of ``kernel`` with one config, selected for the per-shard call.
 
     The mesh shape and partition specs are part of the key. ``in_specs`` has one spec per positional
-    argument; keyword arguments are replicated.
+    argument (arrays are placed accordingly); keyword arguments are bound, i.e. replicated.
     """
     specs = in_specs if isinstance(in_specs, (tuple, list)) else (in_specs,)
 
@@ -229,8 +234,18 @@ def shard_map_with_config(
         return per_args, kwargs, axes
 
     def mapper(body: Callable[..., Any]) -> Callable[..., Any]:
-        return jax.shard_map(
+        mapped = jax.shard_map(
             body, mesh=mesh, in_specs=tuple(specs), out_specs=out_specs, check_vma=check_vma
         )
+
+        def placed(*args: Any) -> Any:
+            # Arrays are moved to the shardings the specs name (a no-op when they already are).
+            args = tuple(
+                jax.tree.map(lambda x, s=spec: jax.device_put(x, NamedSharding(mesh, s)), arg)
+                for arg, spec in zip(args, specs, strict=True)
+            )
+            return mapped(*args)
+
+        return placed
 
     return _Mapped(kernel, describe, mapper, policy, tuner)

@@ -231,4 +231,9 @@ class Invocation(Generic[Cfg]):
                 self.args, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)
             )
         )
-        return f"Invocation({self.kernel.name}({shapes}), key={self.key!r})"
+        options = "".join(
+            f", {k}={v!r}"
+            for k, v in sorted(self.kwargs.items())
+            if not isinstance(v, jax.ShapeDtypeStruct) and v is not None
+        )
+        return f"Invocation({self.kernel.name}({shapes}{options}), key={self.key!r})"

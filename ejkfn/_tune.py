@@ -175,7 +175,7 @@ class Tuner:
             fn = _loss_and_grad(kernel, cfg, static) if backward else _forward(kernel, cfg, static)
             return jax.jit(fn).lower(dynamic).compile()
 
-        from tqdm.auto import tqdm
+        from tqdm import tqdm  # the terminal bar: tqdm.auto warns in notebooks without widgets
 
         bar = tqdm(
             total=2 * len(candidates),

@@ -192,9 +192,7 @@ def test_labels_in_lowered_and_compiled_programs(stamp):
     compiled_text = lowered.compile().as_text()
     compiled_labels = ejkfn.extract_labels_from_hlo_text(compiled_text)
     assert {lab.name for lab in compiled_labels} == {lab.name for lab in labels}
-    assert all(
-        'op_name="' in line for line in compiled_text.splitlines() if labels[0].name in line
-    )
+    assert all('op_name="' in line for line in compiled_text.splitlines() if labels[0].name in line)
     configs = ejkfn.labels_to_configs(labels)
     assert sorted(c.block for c in configs.values()) == [8, 16]
 
@@ -427,3 +425,23 @@ def test_every_selecting_function_takes_policy_and_tuner():
     ):
         params = inspect.signature(fn).parameters
         assert "policy" in params and "tuner" in params, fn.__name__
+
+
+def test_mapping_transforms_bind_keyword_arguments():
+    x, w, mask, b = affine_inputs()
+    xs = jnp.stack([x, x + 1.0, x - 1.0, 2 * x])
+    want = jax.vmap(lambda x: affine_reference(x, w, mask, b))(xs)
+    f = ejkfn.vmap_with_config(Affine(), in_axes=(0, None, None), policy=HEURISTICS)
+    np.testing.assert_allclose(
+        jax.jit(lambda xs: f(xs, w, mask, b=b, activation="tanh"))(xs), want, rtol=1e-5, atol=1e-5
+    )
+    mesh = jax.make_mesh((4,), ("x",))
+    g = ejkfn.shard_map_with_config(
+        Affine(), mesh, in_specs=(P("x"), P(), P()), out_specs=P("x"), policy=HEURISTICS
+    )
+    flat = xs.reshape(-1, 5)  # unplaced input: the transform places it
+    got = g(flat, w, mask, b=b)
+    np.testing.assert_allclose(got, affine_reference(flat, w, mask, b), rtol=1e-5, atol=1e-5)
+    assert "activation='tanh'" in repr(
+        ejkfn.Invocation.of(Affine(), x, w, mask, b=b, activation="tanh")
+    )
