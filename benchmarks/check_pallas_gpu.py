@@ -183,9 +183,9 @@ def feature(name, b, sq, sk, h, kvh, d, dtype, variant="triton", **kw):
 # Timing.
 
 
-def median_time(f, *args, n=2 if SMALL else 20) -> float:
+def median_time(f, *args, n=1 if SMALL else 20) -> float:
     jax.block_until_ready(f(*args))
-    for _ in range(3):
+    for _ in range(0 if SMALL else 3):
         jax.block_until_ready(f(*args))
     ts = []
     for _ in range(n):
@@ -195,18 +195,18 @@ def median_time(f, *args, n=2 if SMALL else 20) -> float:
     return statistics.median(ts)
 
 
-def with_vjp(module, spec, fp, bp):
+def with_vjp(fwd, bwd, spec, fp, bp):
     @jax.custom_vjp
     def attn(q, k, v):
-        return module.fwd(q, k, v, spec=spec, params=fp)[0]
+        return fwd(q, k, v, spec=spec, params=fp)[0]
 
     def f(q, k, v):
-        out, lse = module.fwd(q, k, v, spec=spec, params=fp)
+        out, lse = fwd(q, k, v, spec=spec, params=fp)
         return out, (q, k, v, out, lse)
 
     def b(res, do):
         q, k, v, out, lse = res
-        dq, dk, dv, _ = module.bwd(
+        dq, dk, dv, _ = bwd(
             q, k, v, None, None, None, None, None, out, lse, do, spec=spec, params=bp
         )
         return dq, dk, dv
@@ -215,9 +215,13 @@ def with_vjp(module, spec, fp, bp):
     return attn
 
 
+_CUDNN: dict = {}  # (shape, causal) -> cuDNN's output and gradients, to check each timed config
+
+
 @guarded("timing")
-def timing(impl: str, causal: bool, fp=None, bp=None, label=None):
-    b, s, h, d = (1, 256, 1, 128) if SMALL else (2, 4096, 16, 128)
+def timing(impl, causal, fp=None, bp=None, *, shape=(2, 4096, 16, 128), label="", parts="fb"):
+    """Median times of forward ('f') and forward+backward ('b'), checked against cuDNN's results."""
+    b, s, h, d = (1, 256, 1, 128) if SMALL else shape
     q, k, v, do, *_ = inputs(b, s, s, h, h, d, jnp.bfloat16, seed=3)
     spec = AttentionSpec(scale=d**-0.5, causal=causal)
     flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
@@ -228,28 +232,43 @@ def timing(impl: str, causal: bool, fp=None, bp=None, label=None):
         def attn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     else:
-        module = _pallas_gpu if impl == "triton" else _pallas_mosaic
+        if impl == "triton":
+            module, fwd = _pallas_gpu, _pallas_gpu.fwd
+        else:
+            module = _pallas_mosaic
+            fwd = functools.partial(_pallas_mosaic._forward, interpret=None,
+                                    pingpong=impl != "mosaic-nopingpong")  # fmt: skip
         hf, hb = module.heuristic(AttentionShape.of(q, k, spec))
-        attn = with_vjp(module, spec, fp or hf, bp or hb)
-        label = label or f"{impl} fwd{fp or hf} bwd{bp or hb}"
+        fp, bp = fp or hf, bp or hb
+        attn = with_vjp(fwd, module.bwd, spec, fp, bp)
+        label = label or (
+            f"{impl} f({fp.q_blocksize},{fp.kv_blocksize},{fp.num_warps}w,{fp.num_stages}s)"
+            f" b({bp.q_blocksize},{bp.kv_blocksize},{bp.num_warps}w,{bp.num_stages}s)"
+        )
 
     fwd_f = jax.jit(attn)
 
     @jax.jit
     def fwd_bwd(q, k, v, do):
         out, vjp = jax.vjp(attn, q, k, v)
-        return vjp(do)
+        return out, vjp(do)
 
-    t_f = median_time(fwd_f, q, k, v)
-    t_fb = median_time(fwd_bwd, q, k, v, do)
-    row = dict(
-        item=f"time {label or impl} {'causal' if causal else 'full'}",
-        status="ok",
-        fwd_ms=t_f * 1e3,
-        fwd_tflops=flops / t_f / 1e12,
-        fwdbwd_ms=t_fb * 1e3,
-        fwdbwd_tflops=3.5 * flops / t_fb / 1e12,
-    )
+    row = dict(item=f"time {label or impl} {b}x{s}x{h}x{d} {'causal' if causal else 'full'}",
+               status="ok")  # fmt: skip
+    key = (b, s, h, d, causal)
+    if impl == "cudnn":
+        _CUDNN[key] = fwd_bwd(q, k, v, do)
+    elif key in _CUDNN:
+        out, grads = fwd_bwd(q, k, v, do)
+        want_out, want_grads = _CUDNN[key]
+        row["err_out"] = rel_err(out, want_out)
+        row["err_grads"] = max(rel_err(a, w) for a, w in zip(grads, want_grads, strict=True))
+    if "f" in parts:
+        t = median_time(fwd_f, q, k, v)
+        row.update(fwd_ms=t * 1e3, fwd_tflops=flops / t / 1e12)
+    if "b" in parts:
+        t = median_time(fwd_bwd, q, k, v, do)
+        row.update(fwdbwd_ms=t * 1e3, fwdbwd_tflops=3.5 * flops / t / 1e12)
     ROWS.append(row)
     log(row)
 
@@ -261,27 +280,43 @@ def main() -> None:
     for causal in (False, True):
         core("triton", causal)
         core("mosaic", causal)
-    for causal in (False, True):
-        for impl in ("cudnn", "triton", "mosaic", "xla"):
-            timing(impl, causal)
+    feature("gqa causal ragged 1000x900 d64 bf16", 2, 1000, 900, 8, 2, 64, jnp.bfloat16,
+            variant="mosaic", causal=True)  # fmt: skip
+    feature("q longer 700x500 d256 f16", 1, 700, 500, 4, 1, 256, jnp.float16,
+            variant="mosaic", causal=True)  # fmt: skip
     feature(
         "gqa causal ragged 1000x1100 d80 f16", 2, 1000, 1100, 8, 2, 80, jnp.float16, causal=True
     )
-    feature("mosaic gqa causal ragged 1000x900 d64 bf16", 2, 1000, 900, 8, 2, 64, jnp.bfloat16,
-            variant="mosaic", causal=True)  # fmt: skip
     feature("window+bias+segments+softcap 1024 d128 bf16", 2, 1024, 1024, 8, 4, 128, jnp.bfloat16,
             window=(128, 16), causal=True, bias=(2, 1), segments=True, soft_cap=20.0)  # fmt: skip
     feature("mask+dropout 512 d64 bf16", 2, 512, 640, 4, 4, 64, jnp.bfloat16,
             mask=(1, 4), dropout=0.1)  # fmt: skip
     feature("f32 d64 causal 512", 1, 512, 512, 4, 4, 64, jnp.float32, causal=True)
-    feature("d256 bf16 1024", 1, 1024, 1024, 4, 4, 256, jnp.bfloat16, causal=True)
-    # a few alternative Triton configs at the timing shape (information for the heuristics)
-    for fp in (
-        FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=3),
-        FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3),
-    ):
-        for bp in (BwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=2),):
-            timing("triton", True, fp, bp)
+
+    F, B = FwdParams, BwdParams
+    fwd_cfgs = [F(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=s) for s in (2, 3)]
+    fwd_cfgs += [F(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3),
+                 F(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)]  # fmt: skip
+    bwd_cfgs = [B(q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=2),
+                B(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2),
+                B(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3),
+                B(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=2)]  # fmt: skip
+    mosaic_cfgs = [F(q_blocksize=128, kv_blocksize=64, num_warps=12, num_stages=4),
+                   F(q_blocksize=128, kv_blocksize=128, num_warps=12, num_stages=3)]  # fmt: skip
+    for causal in (False, True):
+        for impl in ("cudnn", "triton", "mosaic", "mosaic-nopingpong", "xla"):
+            timing(impl, causal)
+        for fp in mosaic_cfgs:
+            timing("mosaic", causal, fp, parts="f")
+        for fp in fwd_cfgs:
+            timing("triton", causal, fp, parts="f")
+        for bp in bwd_cfgs:
+            timing("triton", causal, None, bp, parts="b")
+    small_d = (8, 2048, 32, 64)
+    for impl in ("cudnn", "triton", "mosaic"):
+        timing(impl, False, shape=small_d)
+    timing("triton", False, F(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3),
+           shape=small_d, parts="f")  # fmt: skip
 
     print("\n| item | status | numbers |\n|---|---|---|")
     for r in ROWS:

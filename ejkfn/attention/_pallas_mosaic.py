@@ -92,6 +92,7 @@ class _Geom:
     bk: int
     slots: int
     fused_pv: bool = True
+    pingpong: bool = True
 
     @property
     def offset(self) -> int:
@@ -116,7 +117,9 @@ class _Geom:
         return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), self.bk), steps)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g: _Geom) -> None:
+def _fwd_kernel(
+    q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, schedule, *, g: _Geom
+) -> None:
     qo_smem, k_smem, v_smem, lse_smem = smem[:4]
     k_ready, v_ready, q_ready = ready
     k_used, v_used = consumed
@@ -131,6 +134,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
 
+    def rendezvous() -> None:
+        # Both compute warpgroups meet here. Warpgroup 1 starts one meeting ahead, so each one's
+        # softmax runs while the other's matrix products use the tensor cores (ping-pong).
+        if g.pingpong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    def wait_values(slot: Any) -> None:
+        if g.pingpong:  # arrive first: the other warpgroup may go on to its products meanwhile
+            plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_ready.at[slot])
+        if g.pingpong:
+            plgpu.barrier_wait(schedule)
+
     @pl.when(wg < COMPUTE_WGS)
     def _compute() -> None:
         plgpu.set_max_registers(232, action="increase")
@@ -140,6 +157,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
         steps = g.steps(q_base + WG_ROWS - 1)
         full = g.full_steps(q_base, steps)
         plgpu.barrier_wait(q_ready.at[wg])
+        pl.when(wg == 1)(rendezvous)
 
         def step(kv: Any, carry: Any, masked: bool) -> Any:
             acc, m, den = carry
@@ -148,6 +166,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
 
             def qk(acc_ref: Any) -> Any:
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                rendezvous()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
@@ -168,7 +187,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
             den = den * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p16 = p.astype(dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
+            wait_values(slot)
 
             if g.fused_pv:  # accumulate onto the rescaled output in the wgmma accumulator
 
@@ -194,8 +213,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
             # so this warpgroup's arrivals never count towards a later phase of the slot's barrier.
             slot = slot_of(kv)
             plgpu.barrier_wait(k_ready.at[slot])
+            rendezvous()
             plgpu.barrier_arrive(k_used.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
+            wait_values(slot)
             plgpu.barrier_arrive(v_used.at[slot])
             return carry
 
@@ -209,6 +229,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, *, g
         carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
         acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
         lax.fori_loop(steps, cta_steps, acknowledge, None)
+        pl.when(wg == 0)(rendezvous)
 
         den = jnp.maximum(den, 1e-30)  # rows with no visible key: acc is 0, out is 0
         acc = acc / lax.broadcast_in_dim(den, acc.shape, [0])
@@ -276,6 +297,19 @@ def fwd(
     shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64).
     On a CPU the kernel runs in Mosaic GPU's interpreter (threads, barriers and TMA simulated: slow).
     """
+    return _forward(q, k, v, spec=spec, params=params, interpret=interpret, pingpong=True)
+
+
+def _forward(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams | None,
+    interpret: bool | None,
+    pingpong: bool,
+) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
@@ -293,6 +327,7 @@ def fwd(
         bk=bk,
         slots=max(2, params.num_stages),
         fused_pv=not _interpreting(interpret),
+        pingpong=pingpong,
     )
     sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
     skp = -(-seq_k // bk) * bk
@@ -325,7 +360,7 @@ def fwd(
             jax.ShapeDtypeStruct((batch, sqp, heads, g.dpad), q.dtype),
             jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
         ),
-        scratch_types=(smem, ready, consumed),
+        scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
         grid=(heads, sqp // CTA_ROWS, batch),
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=COMPUTE_WGS + 1,
