@@ -174,12 +174,14 @@ def launch(
     num_warps: int,
     num_stages: int,
     interpret: bool,
+    zeroed: Sequence[int] = (),
     **constexprs: Any,
 ) -> tuple[jax.Array, ...]:
     """Call ``kernel[grid](*args, *outputs, **constexprs)`` on JAX arrays; returns the outputs.
 
-    Outputs start zeroed in both modes (a kernel may leave parts of an output unwritten, e.g. the
-    score-gradient tiles that causal block skipping never visits).
+    The outputs numbered in ``zeroed`` start as zeros (for kernels that leave parts unwritten, e.g.
+    score-gradient tiles that causal block skipping never visits); the others start undefined on a
+    GPU (the interpreter zeroes all).
 
     On a GPU this is ``jax_triton.triton_call`` (imported here: it fails to import without a GPU
     plugin). With ``interpret`` it is a ``jax.pure_callback`` that runs the kernel in Triton's
@@ -196,7 +198,7 @@ def launch(
             grid=grid,
             num_warps=num_warps,
             num_stages=num_stages,
-            zeroed_outputs=tuple(range(len(out_shapes))),
+            zeroed_outputs=tuple(zeroed),
             **constexprs,
         )
         return tuple(outs)

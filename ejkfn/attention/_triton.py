@@ -39,8 +39,11 @@ __all__ = ["bwd", "candidates", "fwd", "heuristic"]
 _KERNELS = __name__.rsplit(".", 1)[0] + "._triton_kernels"
 _MIN_BLOCK = 16  # tl.dot needs at least 16 along every dimension
 _MAX_HEAD_DIM = 256
-_SMEM_BYTES = 220 * 1024  # usable shared memory per program on Hopper (227 KB), with some slack
-_MAX_ACC_PER_THREAD = 128  # f32 accumulator values per thread before registers spill
+_SMEM_BYTES = 227 * 1024  # the most shared memory one program may opt into on Hopper
+# f32 tile values per thread beyond which ptxas spills (seen compiling for sm_90: the forward at
+# 128 x 64 x 128 with 4 warps holds 192 and spills; the dK/dV kernel at 32 x 128 x 128, 288)
+_FWD_VALUES_PER_THREAD = 160
+_BWD_VALUES_PER_THREAD = 256
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -319,6 +322,7 @@ def bwd(
         num_warps=params.num_warps,
         num_stages=params.num_stages,
         interpret=interpret,
+        zeroed=(2,) if has_bias else (),
         **common,
     )
     (dq,) = launch(
@@ -346,29 +350,27 @@ def bwd(
 
 
 def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bool:
-    """Whether ``p`` can compile and run: shared memory and accumulator registers (rough)."""
+    """Whether ``p`` is worth compiling: blocks no larger than needed, pipelined tiles within
+    Hopper's shared memory, f32 tiles within the registers (estimates that match what Triton 3.6
+    allocates for sm_90: q and the streamed k/v stages for the forward; resident k, v and streamed
+    q, dout stages for dK/dV, and the mirror image for dQ)."""
     item = 4 if shape.dtype == "float32" else 2
     d = _block_d(shape.head_dim)
-    bq, bk, warps = p.q_blocksize, p.kv_blocksize, p.num_warps
+    bq, bk, stages = p.q_blocksize, p.kv_blocksize, p.num_stages
+    threads = 32 * p.num_warps
     if min(bq, bk) < _MIN_BLOCK:
         return False
     if bq > max(_MIN_BLOCK, _next_pow2(shape.seq_q)) or bk > max(
         _MIN_BLOCK, _next_pow2(shape.seq_k)
     ):
         return False  # a smaller block covers the sequence: same result, less work
-    threads = 32 * warps
     if not backward:
-        smem = item * d * (bq + 2 * bk * p.num_stages)
-        regs = (bq * d + bq * bk) / threads
-    else:
-        # dK/dV: k, v resident, q and dout streamed, p^T and ds^T staged for the second dots;
-        # dQ: the mirror image (q, dout resident, k and v streamed).
-        smem = max(
-            item * (d * (2 * bk + 2 * bq * p.num_stages) + 2 * bq * bk),
-            item * (d * (2 * bq + 2 * bk * p.num_stages) + 2 * bq * bk),
-        )
-        regs = max(2 * bk * d, bq * d) / threads + bq * bk / threads
-    return smem <= _SMEM_BYTES and regs <= 2 * _MAX_ACC_PER_THREAD
+        smem = item * d * (bq + 2 * bk * stages)
+        values = (bq * d + bq * bk) / threads
+        return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
+    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * bq + 2 * bk * stages)
+    values = max(2 * bk * d, bq * d) / threads + bq * bk / threads
+    return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
@@ -382,16 +384,28 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
-        bp = BwdParams(q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=1)
+        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+    return _shrink(shape, fp, backward=False), _shrink(shape, bp, backward=True)
+
+
+def _shrink(shape: AttentionShape, p: Any, backward: bool) -> Any:
+    """``p`` with blocks cut to the sequences, then fewer stages and smaller blocks until it fits
+    (float32 tiles are twice as large as the 16-bit ones the table above is for)."""
     sq = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
     sk = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
-    fp = dataclasses.replace(
-        fp, q_blocksize=min(fp.q_blocksize, sq), kv_blocksize=min(fp.kv_blocksize, sk)
+    p = dataclasses.replace(
+        p, q_blocksize=min(p.q_blocksize, sq), kv_blocksize=min(p.kv_blocksize, sk)
     )
-    bp = dataclasses.replace(
-        bp, q_blocksize=min(bp.q_blocksize, sq), kv_blocksize=min(bp.kv_blocksize, sk)
-    )
-    return fp, bp
+    while not _fits(shape, p, backward):
+        if p.num_stages > 1:
+            p = dataclasses.replace(p, num_stages=p.num_stages - 1)
+        elif p.kv_blocksize > _MIN_BLOCK and p.kv_blocksize >= p.q_blocksize:
+            p = dataclasses.replace(p, kv_blocksize=p.kv_blocksize // 2)
+        elif p.q_blocksize > _MIN_BLOCK:
+            p = dataclasses.replace(p, q_blocksize=p.q_blocksize // 2)
+        else:
+            break
+    return p
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:

@@ -322,6 +322,9 @@ def fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        # The last q blocks see the most keys: start them first so the tail of the grid is short.
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // HEADS
     h = bh % HEADS
@@ -741,6 +744,9 @@ def bwd_dq_kernel(
 ):
     """dQ of one query block of one head, looping over the key blocks it sees."""
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        # The last q blocks see the most keys: start them first so the tail of the grid is short.
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // HEADS
     h = bh % HEADS
