@@ -30,7 +30,22 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ejkfn._registry import BwdParams, FwdParams
-from ejkfn.attention import _triton as tri
+
+try:
+    from ejkfn.attention import _triton as tri
+except Exception as exc:  # another backend's import broke the package: load this one alone
+    import types
+
+    import ejkfn
+
+    print(f"ejkfn.attention did not import ({exc!r}); loading the Triton backend alone")
+    for _name in [n for n in sys.modules if n.startswith("ejkfn.attention")]:
+        del sys.modules[_name]
+    _pkg = types.ModuleType("ejkfn.attention")
+    _pkg.__path__ = [os.path.join(os.path.dirname(ejkfn.__file__), "attention")]
+    sys.modules["ejkfn.attention"] = _pkg
+    from ejkfn.attention import _triton as tri
+
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
