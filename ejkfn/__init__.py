@@ -46,6 +46,14 @@ from ._record import clear_recorded as clear_recorded
 from ._record import get_invocations as get_invocations
 from ._record import record as record
 from ._record import recording as recording
+from ._registry import BwdParams as BwdParams
+from ._registry import FwdParams as FwdParams
+from ._registry import KernelConfig as KernelConfig
+from ._registry import Platform as Platform
+from ._registry import available_platforms as available_platforms
+from ._registry import detect_platform as detect_platform
+from ._registry import get_kernel as get_kernel
+from ._registry import register_kernel as register_kernel
 from ._select import Decision as Decision
 from ._select import NoConfigError as NoConfigError
 from ._select import choose_config as choose_config
@@ -61,3 +69,6 @@ from ._tune import TuneReport as TuneReport
 from ._tune import autotune as autotune
 from ._tune import benchmark as benchmark
 from ._vjp import custom_vjp as custom_vjp
+from .attention import AttentionConfig as AttentionConfig
+from .attention import FlashAttention as FlashAttention
+from .attention import flash_attention as flash_attention

@@ -1,4 +1,4 @@
-"""Test-run settings that must be in place before JAX or Triton is imported."""
+"""Test-run settings that must be in place before JAX or Triton is imported, and shared fixtures."""
 
 import os
 
@@ -6,3 +6,22 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import zlib
+
+import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "interpreted: runs a backend in an interpreter on this machine (slow; fewer cases)",
+    )
+
+
+@pytest.fixture
+def key(request: pytest.FixtureRequest):
+    """A PRNG key of the test's own: different for every test and parameter, stable across runs."""
+    import jax
+
+    return jax.random.key(zlib.crc32(request.node.nodeid.encode()))

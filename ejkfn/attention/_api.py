@@ -1,0 +1,696 @@
+"""``flash_attention`` and the kernel behind it, ``FlashAttention``: one call, every platform."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Integer
+
+from .._invocation import Invocation
+from .._kernel import Kernel
+from .._platform import device_kind
+from .._registry import BwdParams, FwdParams, Platform
+from . import _backend, _xla
+from ._backend import AttentionBackend, AttentionShape, backend_for
+from ._spec import AttentionSpec
+
+__all__ = ["AttentionConfig", "FlashAttention", "flash_attention", "registered_backends"]
+
+# Platforms that ``platform="auto"`` tries on each device kind, best first. A platform registered
+# later that is native to the device is tried after these.
+_AUTO_ORDER = {
+    "gpu": ("triton", "pallas", "cudnn", "xla"),
+    "tpu": ("pallas", "xla"),
+    "cpu": ("xla",),
+}
+_CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionConfig:
+    """Which attention backend runs a call, and its block sizes.
+
+    Attributes:
+        platform: ``"xla"``, ``"pallas"``, ``"triton"`` or ``"cudnn"``.
+        variant: the platform's implementation (``"dense"``/``"chunked"`` for XLA; ``"triton"``,
+            ``"mosaic"``, ``"tpu"`` for Pallas); ``None`` takes the first registered one that can do
+            the call, preferring ones native to the device.
+        fwd: block sizes and launch parameters of the forward pass.
+        bwd: block sizes and launch parameters of the backward pass.
+
+    >>> AttentionConfig(platform="xla", variant="chunked").fwd.kv_blocksize
+    64
+    """
+
+    platform: str
+    variant: str | None = None
+    fwd: FwdParams = FwdParams()
+    bwd: BwdParams = BwdParams()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.platform, str) or self.platform not in _CONFIG_PLATFORMS:
+            raise ValueError(
+                f"platform must be one of {_CONFIG_PLATFORMS} (a config names a concrete platform, "
+                f"not 'auto'); got {self.platform!r}"
+            )
+        if self.variant is not None and not (isinstance(self.variant, str) and self.variant):
+            raise ValueError(f"variant must be None or a non-empty str; got {self.variant!r}")
+        if not isinstance(self.fwd, FwdParams):
+            raise TypeError(f"fwd must be a FwdParams; got {self.fwd!r}")
+        if not isinstance(self.bwd, BwdParams):
+            raise TypeError(f"bwd must be a BwdParams; got {self.bwd!r}")
+
+
+def registered_backends() -> tuple[AttentionBackend, ...]:
+    """Every registered attention backend, in registration order (platform by platform)."""
+    return tuple(b for table in _backend._variants.values() for b in table.values())
+
+
+# --- arguments -------------------------------------------------------------------------------------
+
+
+def _is_abstract(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _astype(x: Any, dtype: Any) -> Any:
+    if np.dtype(x.dtype) == np.dtype(dtype):
+        return x
+    if _is_abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, dtype)
+    return jnp.asarray(x).astype(dtype)
+
+
+def _array(name: str, x: Any) -> Any:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array; got {type(x).__name__}: {x!r}")
+    return x
+
+
+def _broadcast_4d(name: str, x: Any, target: tuple[int, int, int, int]) -> Any:
+    """``x`` as ``[B|1, H|1, Sq, Sk]``, checking it broadcasts to ``target = (B, H, Sq, Sk)``."""
+    shape = tuple(x.shape)
+    full = (1,) * (4 - len(shape)) + shape
+    if len(shape) > 4 or any(g not in (1, w) for g, w in zip(full, target, strict=True)):
+        raise ValueError(
+            f"{name} must broadcast to [batch, heads, seq_q, seq_k] = {list(target)}; "
+            f"got {name}.shape={shape}"
+        )
+    want = (full[0], full[1], target[2], target[3])
+    if shape == want:
+        return x
+    if _is_abstract(x):
+        return jax.ShapeDtypeStruct(want, x.dtype)
+    return jnp.broadcast_to(jnp.reshape(x, full), want)
+
+
+def _window(sliding_window: Any) -> tuple[int, int] | None:
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, (int, np.integer)) and not isinstance(sliding_window, bool):
+        sides = (int(sliding_window), int(sliding_window))
+    elif (
+        isinstance(sliding_window, (tuple, list))
+        and len(sliding_window) == 2
+        and all(
+            isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sliding_window
+        )
+    ):
+        sides = (int(sliding_window[0]), int(sliding_window[1]))
+    else:
+        raise TypeError(
+            f"sliding_window must be None, an int or a (left, right) pair of ints; "
+            f"got {sliding_window!r}"
+        )
+    if sides[0] < 0 or sides[1] < 0:
+        raise ValueError(
+            f"sliding_window sides must be >= 0; got sliding_window={sliding_window!r}"
+        )
+    return sides
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a Python number (it is static: part of the compiled program); "
+            f"got {type(value).__name__}: {value!r}"
+        )
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {name}={value!r}")
+    return value
+
+
+def _options(
+    dim: int,
+    softmax_scale: Any,
+    causal: Any,
+    sliding_window: Any,
+    logits_soft_cap: Any,
+    dropout_prob: Any,
+) -> dict[str, Any]:
+    """The static options, validated and in one canonical form (so equal calls have equal keys)."""
+    scale = (
+        1.0 / math.sqrt(dim) if softmax_scale is None else _number("softmax_scale", softmax_scale)
+    )
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}: {causal!r}")
+    cap = None
+    if logits_soft_cap is not None:
+        cap = _number("logits_soft_cap", logits_soft_cap)
+        if cap <= 0:
+            raise ValueError(f"logits_soft_cap must be > 0; got logits_soft_cap={cap!r}")
+    prob = _number("dropout_prob", dropout_prob)
+    if not 0.0 <= prob < 1.0:
+        raise ValueError(f"dropout_prob must be in [0, 1); got dropout_prob={prob!r}")
+    return {
+        "softmax_scale": scale,
+        "causal": bool(causal),
+        "sliding_window": _window(sliding_window),
+        "logits_soft_cap": cap,
+        "dropout_prob": prob,
+    }
+
+
+def _seed(dropout_seed: Any) -> Any:
+    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
+        return jnp.asarray(np.uint32(int(dropout_seed) % (1 << 32)))
+    seed = _array("dropout_seed", dropout_seed)
+    if tuple(seed.shape) != ():
+        raise ValueError(f"dropout_seed must be a scalar; got dropout_seed.shape={seed.shape}")
+    if not jnp.issubdtype(seed.dtype, jnp.integer):
+        raise TypeError(f"dropout_seed must be an integer; got dtype {np.dtype(seed.dtype).name}")
+    return _astype(seed, jnp.uint32)
+
+
+def _prepare(
+    q: Any,
+    k: Any,
+    v: Any,
+    bias: Any,
+    attention_mask: Any,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    dropout_seed: Any,
+    options: dict[str, Any],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _array(name, x)
+        if len(x.shape) != 4:
+            raise ValueError(
+                f"{name} must have rank 4, [batch, seq, heads, head_dim]; got {name}.shape={x.shape}"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point; got dtype {np.dtype(x.dtype).name}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            "q, k and v must have one dtype; got "
+            f"{np.dtype(q.dtype).name}, {np.dtype(k.dtype).name}, {np.dtype(v.dtype).name}"
+        )
+    batch, seq_q, heads, dim = q.shape
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have one shape; got k.shape={k.shape}, v.shape={v.shape}")
+    _, seq_k, kv_heads, _ = k.shape
+    if k.shape[0] != batch:
+        raise ValueError(
+            f"k and q must have one batch size; got q.shape={q.shape}, k.shape={k.shape}"
+        )
+    if k.shape[3] != dim:
+        raise ValueError(
+            f"k and q must have one head_dim; got q.shape={q.shape}, k.shape={k.shape}"
+        )
+    if min(seq_q, seq_k, heads, kv_heads, dim) < 1:
+        raise ValueError(
+            f"sequence lengths, heads and head_dim must be >= 1; got q.shape={q.shape}, "
+            f"k.shape={k.shape}"
+        )
+    if heads % kv_heads:
+        raise ValueError(
+            f"kv_heads must divide heads (GQA/MQA); got heads={heads}, kv_heads={kv_heads}"
+        )
+    target = (batch, heads, seq_q, seq_k)
+    if bias is not None:
+        _array("bias", bias)
+        if not jnp.issubdtype(bias.dtype, jnp.floating):
+            raise TypeError(f"bias must be floating point; got dtype {np.dtype(bias.dtype).name}")
+        bias = _broadcast_4d("bias", bias, target)
+    if attention_mask is not None:
+        _array("attention_mask", attention_mask)
+        if np.dtype(attention_mask.dtype) != np.bool_:
+            raise TypeError(
+                "attention_mask must be boolean (true where a key is visible); got dtype "
+                f"{np.dtype(attention_mask.dtype).name}"
+            )
+        attention_mask = _broadcast_4d("attention_mask", attention_mask, target)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "q_segment_ids and kv_segment_ids must be given together; got "
+            f"q_segment_ids={'None' if q_segment_ids is None else 'an array'}, "
+            f"kv_segment_ids={'None' if kv_segment_ids is None else 'an array'}"
+        )
+    if q_segment_ids is not None:
+        for name, x, want in (
+            ("q_segment_ids", q_segment_ids, (batch, seq_q)),
+            ("kv_segment_ids", kv_segment_ids, (batch, seq_k)),
+        ):
+            _array(name, x)
+            if tuple(x.shape) != want:
+                raise ValueError(f"{name} must have shape {list(want)}; got {name}.shape={x.shape}")
+            if not jnp.issubdtype(x.dtype, jnp.integer):
+                raise TypeError(f"{name} must be integers; got dtype {np.dtype(x.dtype).name}")
+        q_segment_ids = _astype(q_segment_ids, jnp.int32)
+        kv_segment_ids = _astype(kv_segment_ids, jnp.int32)
+    if options["dropout_prob"] > 0.0:
+        if dropout_seed is None:
+            raise ValueError(
+                f"dropout_prob={options['dropout_prob']} needs a dropout_seed (an integer scalar); "
+                "got dropout_seed=None"
+            )
+        dropout_seed = _seed(dropout_seed)
+    else:
+        dropout_seed = None  # unused: keep it out of the program and the key
+    kwargs = {
+        "attention_mask": attention_mask,
+        "q_segment_ids": q_segment_ids,
+        "kv_segment_ids": kv_segment_ids,
+        "dropout_seed": dropout_seed,
+        **options,
+    }
+    return (q, k, v, bias), kwargs
+
+
+def _spec(
+    bias: Any, attention_mask: Any, q_segment_ids: Any, options: dict[str, Any]
+) -> AttentionSpec:
+    return AttentionSpec(
+        scale=options["softmax_scale"],
+        causal=options["causal"],
+        window=options["sliding_window"],
+        soft_cap=options["logits_soft_cap"],
+        dropout_prob=options["dropout_prob"],
+        has_bias=bias is not None,
+        has_mask=attention_mask is not None,
+        has_segments=q_segment_ids is not None,
+    )
+
+
+# --- choosing a backend ----------------------------------------------------------------------------
+
+
+def _is_hopper() -> bool:
+    capability = str(getattr(jax.devices()[0], "compute_capability", ""))
+    return capability.split(".")[0] == "9"
+
+
+def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBackend]:
+    """The variants of ``platform``, the ones to prefer first."""
+    table = _backend._variants.get(platform, {})
+    names = list(table)
+    first: tuple[str, ...] = ()
+    if platform == "xla":
+        first = (_xla.preferred_variant(shape),)
+    elif platform == "pallas" and device_kind() == "gpu":
+        first = ("mosaic", "triton") if _is_hopper() else ("triton",)
+    ordered = [n for n in first if n in table] + [n for n in names if n not in first]
+    return [table[n] for n in ordered]
+
+
+def _native(backend: AttentionBackend) -> bool:
+    return device_kind() in backend.devices and backend.available()
+
+
+def _interpret(backend: AttentionBackend) -> bool:
+    return device_kind() not in backend.devices
+
+
+def _refusal(
+    backend: AttentionBackend,
+    shape: AttentionShape,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    params: tuple[FwdParams, BwdParams],
+) -> str | None:
+    """Why ``backend`` cannot do this call (tracing both passes abstractly), or None if it can."""
+    spec = shape.spec
+    try:
+        backend.check(spec)
+        q, k, v, bias = args
+        arrays = (
+            q,
+            k,
+            v,
+            bias,
+            kwargs["attention_mask"],
+            kwargs["q_segment_ids"],
+            kwargs["kv_segment_ids"],
+            kwargs["dropout_seed"],
+        )
+        interpret = _interpret(backend)
+        fwd = functools.partial(backend.fwd, spec=spec, params=params[0], interpret=interpret)
+        out, lse = jax.eval_shape(fwd, *arrays)
+        bwd = functools.partial(backend.bwd, spec=spec, params=params[1], interpret=interpret)
+        jax.eval_shape(bwd, *arrays, out, lse, out)
+    except NotImplementedError as exc:
+        return f"{backend.platform}/{backend.variant}: {exc}"
+    return None
+
+
+def _config(backend: AttentionBackend, params: tuple[FwdParams, BwdParams]) -> AttentionConfig:
+    return AttentionConfig(
+        platform=backend.platform, variant=backend.variant, fwd=params[0], bwd=params[1]
+    )
+
+
+def _resolve(cfg: AttentionConfig, spec: AttentionSpec, shape: AttentionShape) -> AttentionBackend:
+    """The backend a config names; refuses (NotImplementedError) features it lacks."""
+    if cfg.variant is not None:
+        backend = backend_for(cfg.platform, cfg.variant)
+    else:
+        backend_for(cfg.platform)  # a clear error for unknown platforms
+        order = _variant_order(cfg.platform, shape)
+        order.sort(key=lambda b: not _native(b))  # stable: native ones first
+        backend = next((b for b in order if not spec.features & b.unsupported), order[0])
+    backend.check(spec)
+    return backend
+
+
+# --- the kernel ------------------------------------------------------------------------------------
+
+
+class _Saved(eqx.Module):
+    """Residuals of the forward pass: the arrays the backward needs and, as static data, the spec."""
+
+    arrays: tuple[Any, ...]
+    spec: AttentionSpec = eqx.field(static=True)
+    platform: str = eqx.field(static=True)
+    variant: str = eqx.field(static=True)
+    interpret: bool = eqx.field(static=True)
+
+
+class FlashAttention(Kernel[AttentionConfig, jax.Array]):
+    """Flash attention as a kernel module; :func:`flash_attention` is the function form.
+
+    Call it as ``FlashAttention()(q, k, v, bias=None, *, attention_mask=None, q_segment_ids=None,
+    kv_segment_ids=None, softmax_scale=None, causal=False, sliding_window=None,
+    logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None)`` (see :func:`flash_attention`).
+
+    ``platform`` (static) is ``"auto"`` or a registered platform: with ``"auto"``, selection chooses
+    among the backends native to the device that can do the call (GPU: Triton, then Pallas with Mosaic
+    GPU first on Hopper, then cuDNN, then XLA; CPU: XLA dense for short sequences, chunked for long);
+    with a platform, among that platform's variants (ones not native to the device run in their
+    interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
+    a config whose backend cannot do the call's features raises ``NotImplementedError`` at trace
+    time. ``q``, ``k``, ``v`` and ``bias`` are differentiable; masks, segment ids and the seed are not.
+
+    >>> import jax.numpy as jnp
+    >>> attn = FlashAttention(platform="xla")
+    >>> attn(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 1, 8)), jnp.ones((1, 4, 1, 8))).shape
+    (1, 4, 2, 8)
+    """
+
+    platform: str = eqx.field(static=True, default="auto")
+
+    name = "flash_attention"
+    version = "1"
+
+    def __check_init__(self) -> None:
+        known = _backend.platforms()
+        if self.platform != "auto" and self.platform not in known:
+            raise ValueError(
+                f"platform must be 'auto' or a registered attention platform {known}; "
+                f"got platform={self.platform!r}"
+            )
+
+    # --- arguments ---
+
+    def prepare(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        bias: Any = None,
+        *,
+        attention_mask: Any = None,
+        q_segment_ids: Any = None,
+        kv_segment_ids: Any = None,
+        dropout_seed: Any = None,
+        softmax_scale: Any = None,
+        causal: Any = False,
+        sliding_window: Any = None,
+        logits_soft_cap: Any = None,
+        dropout_prob: Any = 0.0,
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Validate the call and put it in canonical form (errors name the offending value).
+
+        Returns ``(q, k, v, bias)`` with ``bias`` as ``[B|1, H|1, Sq, Sk]``, and keywords with every
+        option present: arrays (mask broadcast like the bias, int32 segment ids, a uint32 seed or
+        None when there is no dropout) and static options (the default scale filled in, a window as
+        a ``(left, right)`` pair).
+        """
+        if not hasattr(q, "shape") or len(q.shape) < 1:
+            _array("q", q)
+            raise ValueError(f"q must have rank 4, [batch, seq, heads, head_dim]; got {q.shape}")
+        options = _options(
+            q.shape[-1], softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob
+        )
+        return _prepare(
+            q, k, v, bias, attention_mask, q_segment_ids, kv_segment_ids, dropout_seed, options
+        )
+
+    # --- computing ---
+
+    def fwd(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        bias: jax.Array | None = None,
+        *,
+        cfg: AttentionConfig,
+        attention_mask: jax.Array | None = None,
+        q_segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None,
+        dropout_seed: jax.Array | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        sliding_window: int | tuple[int, int] | None = None,
+        logits_soft_cap: float | None = None,
+        dropout_prob: float = 0.0,
+    ) -> tuple[jax.Array, _Saved]:
+        """The output and the residuals of the backward pass, on the backend ``cfg`` names."""
+        if not isinstance(cfg, AttentionConfig):
+            raise TypeError(f"cfg must be an AttentionConfig; got {type(cfg).__name__}: {cfg!r}")
+        options = _options(
+            q.shape[-1], softmax_scale, causal, sliding_window, logits_soft_cap, dropout_prob
+        )
+        spec = _spec(bias, attention_mask, q_segment_ids, options)
+        backend = _resolve(cfg, spec, AttentionShape.of(q, k, spec))
+        interpret = _interpret(backend)
+        arrays = (q, k, v, bias, attention_mask, q_segment_ids, kv_segment_ids, dropout_seed)
+        out, lse = backend.fwd(*arrays, spec=spec, params=cfg.fwd, interpret=interpret)
+        saved = _Saved((*arrays, out, lse), spec, backend.platform, backend.variant, interpret)
+        return out, saved
+
+    def bwd(self, saved: _Saved, dout: jax.Array, *, cfg: AttentionConfig) -> dict[int, Any]:
+        """Gradients of ``q``, ``k``, ``v`` and ``bias`` (positions 0 to 3)."""
+        backend = backend_for(saved.platform, saved.variant)
+        dq, dk, dv, dbias = backend.bwd(
+            *saved.arrays, dout, spec=saved.spec, params=cfg.bwd, interpret=saved.interpret
+        )
+        return {0: dq, 1: dk, 2: dv, 3: dbias}
+
+    def run(self, *args: Any, cfg: AttentionConfig, **kwargs: Any) -> jax.Array:
+        return self.fwd(*args, cfg=cfg, **kwargs)[0]
+
+    # --- configs ---
+
+    def _call_of(self, inv: Invocation) -> tuple[AttentionShape, tuple[Any, ...], dict[str, Any]]:
+        args = tuple(inv.args) + (None,) * (4 - len(inv.args))
+        kwargs = dict(inv.kwargs)
+        options = {
+            name: kwargs.get(name, default)
+            for name, default in (
+                ("softmax_scale", None),
+                ("causal", False),
+                ("sliding_window", None),
+                ("logits_soft_cap", None),
+                ("dropout_prob", 0.0),
+            )
+        }
+        options = _options(args[0].shape[-1], **options)
+        for name in ("attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed"):
+            kwargs.setdefault(name, None)
+        spec = _spec(args[3], kwargs["attention_mask"], kwargs["q_segment_ids"], options)
+        return AttentionShape.of(args[0], args[1], spec), args, kwargs
+
+    def _auto_backends(
+        self, shape: AttentionShape, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[AttentionBackend], list[str]]:
+        """Backends native to this device that can do the call, best first; and why others cannot."""
+        kind = device_kind()
+        order = list(_AUTO_ORDER.get(kind, ()))
+        order += [p for p in _backend.platforms() if p not in order]
+        chosen: list[AttentionBackend] = []
+        reasons: list[str] = []
+        for platform in order:
+            for backend in _variant_order(platform, shape):
+                if not _native(backend):
+                    continue
+                why = _refusal(backend, shape, args, kwargs, backend.heuristic(shape))
+                if why is None:
+                    chosen.append(backend)
+                else:
+                    reasons.append(why)
+        return chosen, reasons
+
+    def _platform_backends(self, shape: AttentionShape) -> list[AttentionBackend]:
+        """The variants of the kernel's platform, those that can do the features (and native) first."""
+        order = _variant_order(self.platform, shape)
+        order.sort(key=lambda b: (bool(shape.spec.features & b.unsupported), not _native(b)))
+        return order
+
+    def heuristic_cfg(self, inv: Invocation) -> AttentionConfig:
+        """A config without measuring: the best backend for the device (see the class doc)."""
+        shape, args, kwargs = self._call_of(inv)
+        if self.platform == "auto":
+            chosen, reasons = self._auto_backends(shape, args, kwargs)
+            if not chosen:
+                raise NotImplementedError(
+                    f"no attention backend on {device_kind()!r} can do this call: "
+                    + "; ".join(reasons)
+                )
+            backend = chosen[0]
+        else:
+            backend = self._platform_backends(shape)[0]
+        return _config(backend, backend.heuristic(shape))
+
+    def candidate_cfgs(self, inv: Invocation) -> Sequence[AttentionConfig]:
+        """Configs to tune: every candidate of every backend that can do the call."""
+        shape, args, kwargs = self._call_of(inv)
+        if self.platform == "auto":
+            backends, reasons = self._auto_backends(shape, args, kwargs)
+            if not backends:
+                raise NotImplementedError(
+                    f"no attention backend on {device_kind()!r} can do this call: "
+                    + "; ".join(reasons)
+                )
+        else:
+            backends = self._platform_backends(shape)
+            supporting = [b for b in backends if not shape.spec.features & b.unsupported]
+            backends = supporting or backends[:1]
+        cfgs: list[AttentionConfig] = []
+        for backend in backends:
+            for params in backend.candidates(shape):
+                cfg = _config(backend, params)
+                if cfg not in cfgs:
+                    cfgs.append(cfg)
+        return cfgs
+
+
+@functools.cache
+def _kernel(platform: str) -> FlashAttention:
+    # One module per platform, so that eager calls hit the framework's per-kernel memo.
+    return FlashAttention(platform=platform)
+
+
+def flash_attention(
+    q: Float[Array, "batch seq_q heads head_dim"],
+    k: Float[Array, "_batch _seq_k _kv_heads _head_dim"],
+    v: Float[Array, "_batch _seq_k _kv_heads _head_dim"],
+    bias: Float[Array, "*_bias"] | None = None,
+    *,
+    attention_mask: Bool[Array, "*_mask"] | None = None,
+    q_segment_ids: Integer[Array, "_batch _seq_q"] | None = None,
+    kv_segment_ids: Integer[Array, "_batch _seq_k"] | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    dropout_prob: float = 0.0,
+    dropout_seed: Integer[Array, ""] | int | None = None,
+    platform: str = "auto",
+    cfg: AttentionConfig | None = None,
+) -> Float[Array, "batch seq_q heads head_dim"]:
+    """Scaled dot-product attention, ``softmax(q k^T * scale + bias) v``, computed without the full
+    score matrix where the platform allows.
+
+    Semantics (identical on every platform): see ``ejkfn.attention._spec``. In short: a soft cap
+    ``cap * tanh(s / cap)`` applies to the scaled scores before the bias; query row ``i`` sits at
+    position ``i + seq_k - seq_q`` (bottom-right alignment); a row that sees no key outputs zeros.
+
+    Args:
+        q: queries ``[batch, seq_q, heads, head_dim]``.
+        k, v: keys and values ``[batch, seq_k, kv_heads, head_dim]``; ``kv_heads`` must divide
+            ``heads`` (GQA; MQA with one kv head): query head ``h`` uses kv head
+            ``h // (heads // kv_heads)``.
+        bias: added to the scores; any shape that broadcasts to ``[batch, heads, seq_q, seq_k]``.
+            Differentiable.
+        attention_mask: boolean, true where a key is visible; broadcasts like ``bias``.
+        q_segment_ids, kv_segment_ids: integer ``[batch, seq_q]`` and ``[batch, seq_k]``, given
+            together: a query sees only keys of its own segment (packed sequences).
+        softmax_scale: multiplies ``q k^T``; default ``1 / sqrt(head_dim)``.
+        causal: a query sees no key after its own position.
+        sliding_window: ``(left, right)``: a query at position ``p`` sees keys in
+            ``[p - left, p + right]``; an int ``w`` means ``(w, w)`` (as in
+            ``jax.nn.dot_product_attention``'s ``local_window_size``).
+        logits_soft_cap: ``cap > 0``: scores become ``cap * tanh(s / cap)``.
+        dropout_prob: probability of dropping an attention weight; kept weights are scaled by
+            ``1 / (1 - p)``. Needs ``dropout_seed``.
+        dropout_seed: integer scalar; the same seed drops the same weights on every platform (a
+            counter-based hash, recomputed in the backward pass).
+        platform: ``"auto"`` (selection chooses per device and shape) or ``"xla"``, ``"pallas"``,
+            ``"triton"``, ``"cudnn"``.
+        cfg: an explicit :class:`AttentionConfig` (it wins over selection; its platform must agree
+            with ``platform`` unless that is ``"auto"``).
+
+    Every option other than the arrays is static: it is part of the cache key and of the compiled
+    program. A platform that cannot do a requested feature raises ``NotImplementedError`` at trace
+    time; ``"auto"`` skips it. Head dims that a backend's tiles need rounded up (e.g. 80 or 96 for
+    power-of-two tiles) are padded by that backend, not here; XLA needs no padding.
+
+    Returns:
+        ``[batch, seq_q, heads, head_dim]`` in the dtype of ``q``.
+
+    >>> import jax, jax.numpy as jnp, ejkfn
+    >>> q = jax.random.normal(jax.random.key(0), (1, 16, 4, 32))
+    >>> kv = jax.random.normal(jax.random.key(1), (1, 16, 2, 32))
+    >>> ejkfn.flash_attention(q, kv, kv, causal=True).shape
+    (1, 16, 4, 32)
+    >>> loss = lambda q: ejkfn.flash_attention(q, kv, kv, sliding_window=(4, 0)).sum()
+    >>> jax.grad(loss)(q).shape
+    (1, 16, 4, 32)
+    """
+    if cfg is not None:
+        if not isinstance(cfg, AttentionConfig):
+            raise TypeError(f"cfg must be an AttentionConfig; got {type(cfg).__name__}: {cfg!r}")
+        if platform not in ("auto", cfg.platform):
+            raise ValueError(f"platform={platform!r} disagrees with cfg.platform={cfg.platform!r}")
+    if not isinstance(platform, str):
+        raise TypeError(f"platform must be a str; got {platform!r}")
+    if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
+        dropout_seed = _seed(dropout_seed)  # an array: eager calls then do not compile per seed
+    return _kernel(platform)(
+        q,
+        k,
+        v,
+        bias,
+        attention_mask=attention_mask,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+        dropout_prob=dropout_prob,
+        dropout_seed=dropout_seed,
+        cfg=cfg,
+    )

@@ -1,0 +1,195 @@
+"""cuDNN attention through ``jax.nn.dot_product_attention(..., implementation="cudnn")``.
+
+What jax's cuDNN path cannot express is refused with ``NotImplementedError`` at trace time: soft cap and
+dropout (cuDNN's dropout uses its own generator, not the shared hash), segment ids (cuDNN wants packed
+offsets; a dense mask built from them would defeat the point), float32/float64 inputs, head dims over 256,
+causal or window masks with ``seq_q != seq_k`` (cuDNN aligns them top-left, the spec bottom-right), and
+windows that look right of the diagonal without ``causal``. Head dims that are not multiples of 8 are
+zero-padded here (the padding changes neither scores nor outputs).
+
+The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
+only as precise as bfloat16/float16). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
+the forward inside it to get cuDNN's own residuals.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._registry import BwdParams, FwdParams
+from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._reference import visible
+from ._spec import AttentionSpec
+
+__all__ = ["CUDNN", "available"]
+
+_MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def _on_cuda() -> bool:
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return False
+    if device.platform != "gpu":
+        return False
+    try:
+        version = str(device.client.platform_version).lower()
+    except Exception:  # a backend that does not say: not CUDA as far as we know
+        return False
+    return "cuda" in version
+
+
+def available() -> bool:
+    """Whether cuDNN attention can run here: the default device is a CUDA GPU."""
+    return _on_cuda()
+
+
+def _check(q: jax.Array, k: jax.Array, spec: AttentionSpec, interpret: bool) -> None:
+    CUDNN.check(spec)
+    if interpret or not _on_cuda():
+        raise NotImplementedError(
+            "platform 'cudnn' needs a CUDA GPU (cuDNN fused attention has no CPU or interpreter "
+            f"path); the default device here is {jax.devices()[0].platform!r}"
+        )
+    dtype = np.dtype(q.dtype)
+    if dtype not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+        raise NotImplementedError(
+            f"platform 'cudnn' needs float16 or bfloat16 inputs; got {dtype.name}"
+        )
+    if q.shape[-1] > _MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"platform 'cudnn' supports head dims up to {_MAX_HEAD_DIM}; got {q.shape[-1]}"
+        )
+    seq_q, seq_k = q.shape[1], k.shape[1]
+    if seq_q != seq_k and (spec.causal or spec.window is not None):
+        raise NotImplementedError(
+            "platform 'cudnn' aligns causal and sliding_window masks top-left; the spec's "
+            f"bottom-right alignment needs seq_q == seq_k, got {seq_q=} and {seq_k=}"
+        )
+    if spec.window is not None and not spec.causal and spec.window[1] != 0:
+        raise NotImplementedError(
+            "platform 'cudnn' supports a sliding_window that looks right of the diagonal only "
+            f"with causal=True; got sliding_window={spec.window!r}"
+        )
+
+
+def _attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    *,
+    spec: AttentionSpec,
+) -> tuple[jax.Array, jax.Array]:
+    """``(out, lse)`` through cuDNN; rows that see no key are zeroed as the spec asks."""
+    dim = q.shape[-1]
+    padded = -(-dim // 8) * 8
+    if padded != dim:
+        widths = ((0, 0), (0, 0), (0, 0), (0, padded - dim))
+        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    window = None
+    if spec.window is not None:
+        left, right = spec.window
+        window = (left, 0 if spec.causal else right)  # causal already stops at the diagonal
+    out, stats = jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias=None if bias is None else bias.astype(q.dtype),
+        mask=mask,
+        scale=spec.scale,
+        is_causal=spec.causal,
+        local_window_size=window,
+        implementation="cudnn",
+        return_residual=True,
+    )
+    out = out[..., :dim]
+    lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)  # [B, Sq, H] -> [B, H, Sq]
+    if mask is not None:
+        # A masked row is a large negative bias to cuDNN, not an empty row: zero it here.
+        seen = visible(spec, q.shape[1], k.shape[1], mask).any(-1)  # [B|1, H|1, Sq]
+        out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], out, 0.0).astype(out.dtype)
+        lse = jnp.where(seen, lse, -jnp.inf)
+    return out, lse
+
+
+def _fwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    del q_seg, kv_seg, seed, params
+    _check(q, k, spec, interpret)
+    return _attention(q, k, v, bias, mask, spec=spec)
+
+
+def _bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    spec: AttentionSpec,
+    params: BwdParams,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    del q_seg, kv_seg, seed, out, lse, params
+    _check(q, k, spec, interpret)
+
+    def forward(*xs: Any) -> jax.Array:
+        b = xs[3] if bias is not None else None
+        return _attention(xs[0], xs[1], xs[2], b, mask, spec=spec)[0]
+
+    primals = (q, k, v) if bias is None else (q, k, v, bias)
+    _, pullback = jax.vjp(forward, *primals)
+    grads = pullback(dout.astype(q.dtype))
+    dbias = grads[3] if bias is not None else None
+    return grads[0], grads[1], grads[2], dbias
+
+
+def _heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    del shape
+    return FwdParams(), BwdParams()  # cuDNN picks its own tiling
+
+
+def _candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
+    return [_heuristic(shape)]
+
+
+CUDNN = register_backend(
+    AttentionBackend(
+        platform="cudnn",
+        variant="cudnn",
+        devices=("gpu",),
+        fwd=_fwd,
+        bwd=_bwd,
+        unsupported=frozenset({"logits_soft_cap", "dropout", "segment_ids"}),
+        heuristic=_heuristic,
+        candidates=_candidates,
+        available=available,
+    )
+)

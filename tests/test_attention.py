@@ -1,0 +1,806 @@
+"""One attention suite for every registered backend that can run here, against a float64 reference.
+
+The backend table is built from the registry when the tests are collected: backends native to this
+device run every case; the others run in their interpreter (Pallas ``interpret=True``, Triton's
+interpreter) on a reduced set of small cases; a backend that refuses to run here at all (cuDNN on a
+CPU) is tested to refuse cleanly. A backend module that lands later joins without changes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ejkfn
+from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_attention
+from ejkfn.attention import _cudnn, registered_backends
+from ejkfn.attention._backend import AttentionBackend, AttentionShape
+from ejkfn.attention._reference import reference_attention
+from ejkfn.attention._spec import AttentionSpec
+
+# The suite compiles many small programs; XLA's backend optimisations cost more compile time than
+# they save in run time here (and change no result).
+_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def _jit(f: Any) -> Any:
+    return jax.jit(f, compiler_options=_FAST_COMPILE)
+
+
+# --- the backend table -----------------------------------------------------------------------------
+
+
+def _probe(backend: AttentionBackend) -> str | None:
+    """Why ``backend`` cannot run here (in its interpreter if need be), or None when it can."""
+    q = jax.ShapeDtypeStruct((1, 32, 2, 32), jnp.float32)
+    spec = AttentionSpec(scale=0.25)
+    shape = AttentionShape.of(q, q, spec)
+    fp, bp = backend.heuristic(shape)
+    args = (q, q, q, None, None, None, None, None)
+    try:
+        out, lse = jax.eval_shape(
+            functools.partial(backend.fwd, spec=spec, params=fp, interpret=True), *args
+        )
+        jax.eval_shape(
+            functools.partial(backend.bwd, spec=spec, params=bp, interpret=True),
+            *args,
+            out,
+            lse,
+            out,
+        )
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def _table() -> tuple[list[Any], list[Any], list[tuple[AttentionBackend, str]]]:
+    native, interpreted, refusing = [], [], []
+    kind = ejkfn.device_kind()
+    for backend in registered_backends():
+        name = f"{backend.platform}-{backend.variant}"
+        if kind in backend.devices and backend.available():
+            native.append(pytest.param(backend, id=name))
+            continue
+        why = _probe(backend)
+        if why is None:
+            interpreted.append(pytest.param(backend, id=name, marks=pytest.mark.interpreted))
+        else:
+            refusing.append((backend, why))
+    return native, interpreted, refusing
+
+
+NATIVE, INTERPRETED, REFUSING = _table()
+ALL = NATIVE + INTERPRETED
+
+
+def _backend_of(param: Any) -> AttentionBackend:
+    return param.values[0]
+
+
+# --- cases -----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: shapes, dtype and features."""
+
+    batch: int = 2
+    seq_q: int = 32
+    seq_k: int = 32
+    heads: int = 4
+    kv_heads: int = 4
+    dim: int = 32
+    dtype: str = "float32"
+    causal: bool = False
+    window: int | tuple[int, int] | None = None
+    bias: str | None = None  # a key of BIAS_SHAPES
+    mask: bool = False
+    segments: bool = False
+    soft_cap: float | None = None
+    scale: float | None = None
+    dropout: float = 0.0
+
+    @property
+    def spec(self) -> AttentionSpec:
+        window = self.window
+        if isinstance(window, int):
+            window = (window, window)
+        return AttentionSpec(
+            scale=self.scale if self.scale is not None else 1.0 / math.sqrt(self.dim),
+            causal=self.causal,
+            window=window,
+            soft_cap=self.soft_cap,
+            dropout_prob=self.dropout,
+            has_bias=self.bias is not None,
+            has_mask=self.mask,
+            has_segments=self.segments,
+        )
+
+
+def _bias_shape(case: Case) -> tuple[int, ...]:
+    b, h, sq, sk = case.batch, case.heads, case.seq_q, case.seq_k
+    return {
+        "full": (b, h, sq, sk),
+        "heads": (1, h, sq, sk),
+        "batch": (b, 1, sq, sk),
+        "2d": (sq, sk),
+        "rows": (b, h, 1, sk),
+    }[case.bias]
+
+
+# (name, case, run on interpreted backends too)
+CASES: list[tuple[str, Case, bool]] = [
+    ("plain", Case(), False),
+    ("causal", Case(causal=True), False),
+    ("gqa_causal", Case(kv_heads=2, causal=True), True),
+    ("mqa_window_int", Case(kv_heads=1, window=5), False),
+    ("window_segments", Case(window=(6, 2), segments=True), True),
+    ("window_causal", Case(window=(4, 3), causal=True, seq_q=24, seq_k=40), False),
+    ("segments_causal_gqa", Case(segments=True, causal=True, kv_heads=2), False),
+    ("mask_bias_batch", Case(mask=True, bias="batch", kv_heads=2), False),
+    ("bias_mask_soft_cap", Case(bias="full", mask=True, soft_cap=3.0), True),
+    ("bias_heads_causal", Case(bias="heads", causal=True), False),
+    ("bias_2d_scale", Case(bias="2d", scale=0.5), False),
+    ("bias_rows", Case(bias="rows"), False),
+    ("soft_cap", Case(soft_cap=2.0), False),
+    ("dropout", Case(dropout=0.25), True),
+    ("dropout_everything", Case(dropout=0.2, causal=True, bias="heads", mask=True,
+                                segments=True, soft_cap=4.0, kv_heads=2), False),
+    ("longer_q", Case(seq_q=45, seq_k=19, causal=True), True),
+    ("longer_k", Case(seq_q=19, seq_k=45, causal=True), False),
+    ("odd_lengths", Case(seq_q=37, seq_k=53, window=(9, 0), kv_heads=2), False),
+    ("one_query", Case(seq_q=1, seq_k=33, causal=True), False),
+    ("dim64", Case(dim=64, seq_q=16, seq_k=16), False),
+    ("dim128", Case(dim=128, seq_q=16, seq_k=16, causal=True), False),
+    ("dim256", Case(dim=256, seq_q=16, seq_k=16, heads=2, kv_heads=2), False),
+    ("dim80", Case(dim=80, causal=True), True),
+    ("dim96", Case(dim=96, kv_heads=2), False),
+    ("bf16", Case(dtype="bfloat16", causal=True, bias="full"), True),
+    ("bf16_mqa_window", Case(dtype="bfloat16", kv_heads=1, window=(3, 3)), False),
+    ("f16", Case(dtype="float16", segments=True, kv_heads=2), True),
+    ("f16_soft_cap", Case(dtype="float16", soft_cap=5.0, causal=True), False),
+]  # fmt: skip
+
+# (atol, rtol) per dtype, forward and gradients; atol is relative to the largest reference value.
+TOL = {
+    "float32": ((2e-5, 2e-5), (1e-4, 1e-4)),
+    "float16": ((4e-3, 4e-3), (1e-2, 1e-2)),
+    "bfloat16": ((3e-2, 3e-2), (6e-2, 5e-2)),
+}
+
+# Block sizes that make short test sequences span several blocks (and padded tails).
+BLOCKS = {
+    ("xla", "chunked"): (
+        FwdParams(q_blocksize=16, kv_blocksize=8),
+        BwdParams(q_blocksize=8, kv_blocksize=16),
+    ),
+}
+
+
+def _cfg(backend: AttentionBackend, case: Case) -> AttentionConfig:
+    q = jax.ShapeDtypeStruct((case.batch, case.seq_q, case.heads, case.dim), case.dtype)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq_k, case.kv_heads, case.dim), case.dtype)
+    shape = AttentionShape.of(q, k, case.spec)
+    params = BLOCKS.get((backend.platform, backend.variant))
+    if params is None:  # the smallest blocks the backend offers: the most block boundaries
+        params = min(backend.candidates(shape), key=lambda p: p[0].q_blocksize * p[0].kv_blocksize)
+    return AttentionConfig(
+        platform=backend.platform, variant=backend.variant, fwd=params[0], bwd=params[1]
+    )
+
+
+def _segments(key: jax.Array, batch: int, seq: int) -> jax.Array:
+    """Packed-sequence ids: non-decreasing runs per row."""
+    starts = jax.random.bernoulli(key, 0.15, (batch, seq)).astype(jnp.int32)
+    return jnp.cumsum(starts, axis=1)
+
+
+def _inputs(case: Case, key: jax.Array) -> dict[str, Any]:
+    ks = jax.random.split(key, 9)
+    dt = jnp.dtype(case.dtype)
+    b, sq, sk, h, kvh, d = case.batch, case.seq_q, case.seq_k, case.heads, case.kv_heads, case.dim
+    inputs: dict[str, Any] = {
+        "q": jax.random.normal(ks[0], (b, sq, h, d), dt),
+        "k": jax.random.normal(ks[1], (b, sk, kvh, d), dt),
+        "v": jax.random.normal(ks[2], (b, sk, kvh, d), dt),
+        "bias": None,
+        "mask": None,
+        "q_seg": None,
+        "kv_seg": None,
+        "seed": None,
+        "dout": jax.random.normal(ks[3], (b, sq, h, d), dt),
+    }
+    if case.bias is not None:
+        inputs["bias"] = jax.random.normal(ks[4], _bias_shape(case), dt)
+    if case.mask:
+        mask = jax.random.bernoulli(ks[5], 0.8, (b, 1, sq, sk))
+        inputs["mask"] = mask.at[0, :, sq // 2, :].set(False)  # a row that sees nothing
+    if case.segments:
+        q_seg = _segments(ks[6], b, sq)
+        inputs["q_seg"] = q_seg
+        inputs["kv_seg"] = _segments(ks[7], b, sk) if sk != sq else q_seg
+    if case.dropout:
+        inputs["seed"] = jax.random.bits(ks[8], (), jnp.uint32)
+    return inputs
+
+
+def _call(case: Case, cfg: AttentionConfig | None, platform: str = "auto"):
+    def attention(q, k, v, bias, mask, q_seg, kv_seg, seed):
+        return flash_attention(
+            q,
+            k,
+            v,
+            bias,
+            attention_mask=mask,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+            softmax_scale=case.scale,
+            causal=case.causal,
+            sliding_window=case.window,
+            logits_soft_cap=case.soft_cap,
+            dropout_prob=case.dropout,
+            dropout_seed=seed,
+            platform=platform,
+            cfg=cfg,
+        )
+
+    return attention
+
+
+def _with_grads(attention):
+    """``(out, (dq, dk, dv, dbias))`` for the cotangent ``dout``, in one function to jit."""
+
+    def run(x):
+        def f(q, k, v, bias):
+            return attention(q, k, v, bias, x["mask"], x["q_seg"], x["kv_seg"], x["seed"])
+
+        out, pullback = jax.vjp(f, x["q"], x["k"], x["v"], x["bias"])
+        return out, pullback(x["dout"])
+
+    return run
+
+
+@functools.cache
+def _reference_fn(spec: AttentionSpec) -> Any:
+    """A jitted float64 reference ``(out, grads)`` (jitted: eager float64 ops compile one by one)."""
+
+    def run(x: dict[str, Any]) -> Any:
+        def f(q, k, v, bias):
+            return reference_attention(
+                q,
+                k,
+                v,
+                bias,
+                x["mask"],
+                x["q_seg"],
+                x["kv_seg"],
+                x["seed"],
+                spec=spec,
+                dtype=jnp.float64,
+            )[0]
+
+        out, pullback = jax.vjp(f, x["q"], x["k"], x["v"], x["bias"])
+        return out, pullback(x["dout"])
+
+    return _jit(run)
+
+
+def _reference(case: Case, x: dict[str, Any]) -> tuple[np.ndarray, tuple[Any, ...]]:
+    """Forward and gradients of the dense reference in float64."""
+    floats = ("q", "k", "v", "bias", "dout")
+    with jax.enable_x64(True):
+        x64 = {
+            n: None if a is None else jnp.asarray(np.asarray(a, np.float64) if n in floats else a)
+            for n, a in x.items()
+        }
+        out, grads = _reference_fn(case.spec)(x64)
+        return np.asarray(out), tuple(None if g is None else np.asarray(g) for g in grads)
+
+
+def _close(name: str, got: Any, want: Any, tol: tuple[float, float]) -> None:
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    atol, rtol = tol
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
+    err = np.abs(got - want) - rtol * np.abs(want)
+    worst = float(np.max(err, initial=0.0)) / scale
+    assert worst <= atol, f"{name}: error {worst:.3g} (relative to max {scale:.3g}) > {atol}"
+
+
+def _check(case: Case, x: dict[str, Any], out: Any, grads: Any) -> None:
+    want_out, want_grads = _reference(case, x)
+    fwd_tol, grad_tol = TOL[case.dtype]
+    _close("out", out, want_out, fwd_tol)
+    assert out.dtype == x["q"].dtype
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), grads, want_grads, strict=True):
+        if want is None:
+            assert got is None, name
+        else:
+            _close(name, got, want, grad_tol)
+
+
+def _matrix(backends: list[Any]) -> list[Any]:
+    """(backend, case) parameters: every case natively, the reduced set in interpreters."""
+    params = []
+    for bp in backends:
+        backend = _backend_of(bp)
+        interpreted = bp in INTERPRETED
+        for name, case, in_reduced in CASES:
+            if interpreted and not in_reduced:
+                continue
+            params.append(pytest.param(backend, case, id=f"{bp.id}-{name}", marks=bp.marks))
+    return params
+
+
+# --- forward and gradients against the reference --------------------------------------------------
+
+
+def _skip_refused(backend: AttentionBackend, case: Case) -> None:
+    missing = case.spec.features & backend.unsupported
+    if missing:
+        pytest.skip(f"{backend.platform}/{backend.variant} refuses {sorted(missing)}")
+
+
+@pytest.mark.parametrize(("backend", "case"), _matrix(ALL))
+def test_matches_reference(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
+    _skip_refused(backend, case)
+    x = _inputs(case, key)
+    out, grads = _jit(_with_grads(_call(case, _cfg(backend, case))))(x)
+    _check(case, x, out, grads)
+
+
+VMAP_CASES = [
+    ("causal_gqa_bias", Case(batch=1, seq_q=24, seq_k=40, kv_heads=2, causal=True, bias="full")),
+    ("segments_dropout", Case(batch=2, seq_q=16, seq_k=16, segments=True, dropout=0.3)),
+]
+
+
+def _vmap_matrix() -> list[Any]:
+    params = []
+    for bp in ALL:
+        cases = VMAP_CASES[:1] if bp in INTERPRETED else VMAP_CASES
+        for name, case in cases:
+            params.append(pytest.param(_backend_of(bp), case, id=f"{bp.id}-{name}", marks=bp.marks))
+    return params
+
+
+@pytest.mark.parametrize(("backend", "case"), _vmap_matrix())
+def test_vmap(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
+    _skip_refused(backend, case)
+    keys = jax.random.split(key, 2)
+    xs = [_inputs(case, k) for k in keys]
+    if case.dropout:
+        for x in xs:
+            x["seed"] = xs[0]["seed"]  # one seed for the mapped calls (it is not mapped)
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *xs)
+    stacked["seed"] = xs[0]["seed"]
+    axes = {n: (None if n == "seed" else 0) for n in stacked}
+    run = _with_grads(_call(case, _cfg(backend, case)))
+    out, grads = _jit(jax.vmap(run, in_axes=(axes,)))(stacked)
+    for i, x in enumerate(xs):
+        _check(case, x, out[i], jax.tree.map(lambda g, i=i: g[i], grads))
+
+
+@pytest.mark.parametrize("backend", ALL)
+def test_dropout_is_deterministic(backend: AttentionBackend, key: jax.Array) -> None:
+    case = Case(batch=1, seq_q=16, seq_k=16, heads=2, kv_heads=2, dim=16, dropout=0.5)
+    _skip_refused(backend, case)
+    x = _inputs(case, key)
+    f = _jit(_call(case, _cfg(backend, case)))
+
+    def out(seed: int) -> np.ndarray:
+        return np.asarray(f(x["q"], x["k"], x["v"], None, None, None, None, jnp.uint32(seed)))
+
+    first, again, other = out(1), out(1), out(2)
+    np.testing.assert_array_equal(first, again)
+    assert not np.allclose(first, other)
+    without = np.asarray(
+        _jit(_call(dataclasses.replace(case, dropout=0.0), None))(
+            x["q"], x["k"], x["v"], None, None, None, None, None
+        )
+    )
+    assert not np.allclose(first, without)
+
+
+# --- refusals --------------------------------------------------------------------------------------
+
+FEATURES = {
+    "causal": Case(causal=True),
+    "sliding_window": Case(window=(4, 0)),
+    "logits_soft_cap": Case(soft_cap=5.0),
+    "dropout": Case(dropout=0.1),
+    "bias": Case(bias="full"),
+    "attention_mask": Case(mask=True),
+    "segment_ids": Case(segments=True),
+}
+
+
+def _refusals() -> list[Any]:
+    params = []
+    for backend in [_backend_of(p) for p in ALL] + [b for b, _ in REFUSING]:
+        for feature in sorted(backend.unsupported):
+            params.append(
+                pytest.param(backend, feature, id=f"{backend.platform}-{backend.variant}-{feature}")
+            )
+    return params
+
+
+@pytest.mark.parametrize(("backend", "feature"), _refusals())
+def test_refused_feature_names_it(backend: AttentionBackend, feature: str, key: jax.Array) -> None:
+    case = dataclasses.replace(FEATURES[feature], batch=1, seq_q=16, seq_k=16, dtype="bfloat16")
+    x = _inputs(case, key)
+    cfg = AttentionConfig(platform=backend.platform, variant=backend.variant)
+    args = (x["q"], x["k"], x["v"], x["bias"], x["mask"], x["q_seg"], x["kv_seg"], x["seed"])
+    with pytest.raises(NotImplementedError, match=feature):
+        jax.jit(_call(case, cfg)).trace(*args)
+
+
+# --- cuDNN -----------------------------------------------------------------------------------------
+
+ON_CPU = ejkfn.device_kind() == "cpu"
+
+
+@pytest.mark.skipif(not ON_CPU, reason="checks how cuDNN refuses on a machine without a GPU")
+def test_cudnn_refuses_without_gpu(key: jax.Array) -> None:
+    assert not _cudnn.available()
+    case = Case(batch=1, seq_q=16, seq_k=16, dtype="bfloat16", causal=True)
+    x = _inputs(case, key)
+    args = (x["q"], x["k"], x["v"], None, None, None, None, None)
+    with pytest.raises(NotImplementedError, match="needs a CUDA GPU"):
+        _call(case, None, platform="cudnn")(*args)
+    with pytest.raises(NotImplementedError, match="needs a CUDA GPU"):
+        jax.jit(_call(case, AttentionConfig(platform="cudnn"))).trace(*args)
+    # "auto" never offers it here.
+    inv = ejkfn.Invocation.of(FlashAttention(), x["q"], x["k"], x["v"], causal=True)
+    assert all(c.platform != "cudnn" for c in FlashAttention().candidate_cfgs(inv))
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (Case(dtype="float32"), "float16 or bfloat16"),
+        (Case(dtype="bfloat16", seq_q=16, seq_k=32, causal=True), "seq_q == seq_k"),
+        (Case(dtype="bfloat16", window=(3, 2)), "right of the diagonal"),
+        (Case(dtype="bfloat16", dim=288, seq_q=8, seq_k=8, heads=1, kv_heads=1), "up to 256"),
+    ],
+    ids=["float32", "causal_unaligned", "right_window", "dim288"],
+)
+def test_cudnn_refuses_what_it_cannot_do(
+    case: Case, message: str, key: jax.Array, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)  # get past the device check
+    x = _inputs(case, key)
+    args = (x["q"], x["k"], x["v"], None, None, None, None, None)
+    with pytest.raises(NotImplementedError, match=message):
+        jax.eval_shape(
+            functools.partial(
+                _cudnn.CUDNN.fwd, spec=case.spec, params=FwdParams(), interpret=False
+            ),
+            *args,
+        )
+
+
+def test_cudnn_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and backward lower for "cuda" on this machine: a compile check without a GPU.
+
+    jax checks the cuDNN version while tracing, which needs its CUDA plugin; the check is patched
+    (a private jax function) so that lowering can proceed. It skips if jax moves that function.
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:
+        pytest.skip("jax has no cuDNN fused attention module")
+    if not hasattr(fused, "check_cudnn_version"):
+        pytest.skip("jax's cuDNN version check moved")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
+    case = Case(
+        batch=1,
+        seq_q=128,
+        seq_k=128,
+        dim=60,
+        dtype="bfloat16",
+        causal=True,
+        bias="full",
+        mask=True,
+        window=(32, 0),
+    )
+    spec = case.spec
+    fwd = functools.partial(_cudnn.CUDNN.fwd, spec=spec, params=FwdParams(), interpret=False)
+    bwd = functools.partial(_cudnn.CUDNN.bwd, spec=spec, params=BwdParams(), interpret=False)
+
+    def both(q, k, v, bias, mask, dout):
+        out, lse = fwd(q, k, v, bias, mask, None, None, None)
+        return out, lse, bwd(q, k, v, bias, mask, None, None, None, out, lse, dout)
+
+    sds = jax.ShapeDtypeStruct
+    q = sds((1, 128, 4, 60), jnp.bfloat16)
+    bias = sds((1, 4, 128, 128), jnp.bfloat16)
+    mask = sds((1, 1, 128, 128), jnp.bool_)
+    lowered = jax.jit(both).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert "__cudnn$fmha" in text and "Backward" in text
+
+
+# --- selection and the kernel module ---------------------------------------------------------------
+
+
+def _small(key: jax.Array, seq: int = 32) -> tuple[jax.Array, jax.Array, jax.Array]:
+    kq, kk, kv = jax.random.split(key, 3)
+    return (
+        jax.random.normal(kq, (1, seq, 4, 16)),
+        jax.random.normal(kk, (1, seq, 2, 16)),
+        jax.random.normal(kv, (1, seq, 2, 16)),
+    )
+
+
+@pytest.mark.skipif(not ON_CPU, reason="what 'auto' picks on a CPU")
+def test_auto_on_cpu_picks_xla(key: jax.Array) -> None:
+    q, k, v = _small(key)
+    heuristics = ejkfn.AutotunePolicy(allow_autotune=False)
+    inv = ejkfn.Invocation.of(FlashAttention(), q, k, v, causal=True)
+    cfg, _ = ejkfn.select(inv, ejkfn.Caches(), policy=heuristics)
+    assert (cfg.platform, cfg.variant) == ("xla", "dense")
+    long = jax.ShapeDtypeStruct((2, 8192, 8, 64), jnp.bfloat16)
+    inv = ejkfn.Invocation.of(FlashAttention(), long, long, long, causal=True)
+    cfg, _ = ejkfn.select(inv, ejkfn.Caches(), policy=heuristics)
+    assert (cfg.platform, cfg.variant) == ("xla", "chunked")
+    case = Case(batch=1, seq_q=32, seq_k=32, heads=4, kv_heads=2, dim=16, causal=True)
+    x = {**_inputs(case, key), "q": q, "k": k, "v": v}
+    out, grads = _jit(_with_grads(_call(case, None)))(x)
+    _check(case, x, out, grads)
+
+
+def test_explicit_platform_heuristics(key: jax.Array) -> None:
+    q, k, v = _small(key)
+    for backend in [_backend_of(p) for p in ALL]:
+        kernel = FlashAttention(platform=backend.platform)
+        inv = ejkfn.Invocation.of(kernel, q, k, v, causal=True)
+        cfg = kernel.heuristic_cfg(inv)
+        assert cfg.platform == backend.platform
+        assert {c.platform for c in kernel.candidate_cfgs(inv)} == {backend.platform}
+
+
+def test_select_with_tuner_picks_a_candidate(key: jax.Array) -> None:
+    q, k, v = _small(key, seq=64)
+    kernel = FlashAttention()
+    inv = ejkfn.Invocation.of(kernel, q, k, v, causal=True)
+    candidates = list(kernel.candidate_cfgs(inv))
+    assert len(candidates) >= 2
+    assert {c.variant for c in candidates if c.platform == "xla"} == {"dense", "chunked"}
+    before = ejkfn.Caches()
+    policy = ejkfn.AutotunePolicy(persist_autotune=False)
+    decision, after = ejkfn.decide(
+        inv, before, policy=policy, tuner=ejkfn.Tuner(warmup=1, iters=2, progress=False)
+    )
+    assert decision.tier == "autotune"
+    assert decision.cfg in candidates
+    assert len(decision.tune.results) == len(candidates)
+    assert before.lookup(inv.key) is None  # the input caches are unchanged
+    assert after.lookup(inv.key) == ("memory", decision.cfg)
+    out = _jit(functools.partial(kernel.with_cfg(decision.cfg), causal=True))(q, k, v)
+    case = Case(batch=1, seq_q=64, seq_k=64, heads=4, kv_heads=2, dim=16, causal=True)
+    _close(
+        "out",
+        out,
+        _reference(case, {**_inputs(case, key), "q": q, "k": k, "v": v})[0],
+        TOL["float32"][0],
+    )
+
+
+def test_configured_module_in_jit_does_not_retrace(key: jax.Array) -> None:
+    q, k, v = _small(key)
+    cfg = AttentionConfig(
+        platform="xla", variant="chunked", fwd=FwdParams(q_blocksize=16, kv_blocksize=16)
+    )
+    traces: list[int] = []
+
+    @jax.jit
+    def loss(attn: FlashAttention, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        traces.append(1)
+        return attn(q, k, v, causal=True, sliding_window=(8, 0)).sum()
+
+    attn = FlashAttention(platform="xla").with_cfg(cfg)
+    first = loss(attn, q, k, v)
+    second = loss(attn, q * 2, k, v)
+    third = loss(FlashAttention(platform="xla", cfg=cfg), q, k, v)  # an equal module
+    assert len(traces) == 1
+    assert float(first) == float(third) and float(first) != float(second)
+    grad = jax.jit(jax.grad(loss, argnums=1))
+    grad(attn, q, k, v)
+    traced = len(traces)
+    grad(attn, q * 3, k, v)
+    assert len(traces) == traced
+    other = AttentionConfig(platform="xla", variant="dense")
+    loss(attn.with_cfg(other), q, k, v)  # a different config is a different program
+    assert len(traces) == traced + 1
+
+
+def test_module_hashes_and_compares() -> None:
+    cfg = AttentionConfig(platform="xla", variant="dense")
+    a = FlashAttention(platform="xla").with_cfg(cfg)
+    b = FlashAttention(platform="xla", cfg=cfg)
+    assert a == b and hash(a) == hash(b)
+    assert a != FlashAttention(platform="auto", cfg=cfg)
+    assert FlashAttention().cfg is None
+
+
+# --- validation ------------------------------------------------------------------------------------
+
+Q = (2, 8, 4, 16)
+KV = (2, 8, 2, 16)
+
+
+def _arrays(q=Q, k=KV, v=None, dtype=jnp.float32):
+    v = k if v is None else v
+    return (jnp.ones(q, dtype), jnp.ones(k, dtype), jnp.ones(v, dtype))
+
+
+BAD = [
+    ("q_rank", dict(arrays=_arrays(q=(2, 8, 16))), ValueError, r"q must have rank 4.*\(2, 8, 16\)"),
+    ("k_rank", dict(arrays=_arrays(k=(2, 8, 2, 16, 1))), ValueError, "k must have rank 4"),
+    ("batch", dict(arrays=_arrays(k=(3, 8, 2, 16))), ValueError, r"batch size.*\(3, 8, 2, 16\)"),
+    ("head_dim", dict(arrays=_arrays(k=(2, 8, 2, 8))), ValueError, r"head_dim.*\(2, 8, 2, 8\)"),
+    ("kv_shapes", dict(arrays=_arrays(v=(2, 9, 2, 16))), ValueError, r"v.shape=\(2, 9, 2, 16\)"),
+    ("kv_heads", dict(arrays=_arrays(k=(2, 8, 3, 16))), ValueError, "kv_heads=3"),
+    ("dtype", dict(arrays=_arrays(dtype=jnp.int32)), TypeError, "q must be floating point"),
+    (
+        "mixed_dtypes",
+        dict(arrays=(jnp.ones(Q), jnp.ones(KV, jnp.bfloat16), jnp.ones(KV))),
+        TypeError,
+        "bfloat16",
+    ),
+    ("window_negative", dict(sliding_window=-1), ValueError, "sliding_window=-1"),
+    ("window_side", dict(sliding_window=(2, -3)), ValueError, r"\(2, -3\)"),
+    ("window_type", dict(sliding_window="wide"), TypeError, "wide"),
+    ("window_triple", dict(sliding_window=(1, 2, 3)), TypeError, r"\(1, 2, 3\)"),
+    ("soft_cap_zero", dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap=0.0"),
+    ("soft_cap_negative", dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap=-2.0"),
+    ("scale_nan", dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    ("scale_array", dict(softmax_scale=jnp.float32(0.5)), TypeError, "softmax_scale"),
+    ("causal_type", dict(causal="yes"), TypeError, "causal"),
+    ("segments_alone", dict(q_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, "together"),
+    (
+        "segments_shape",
+        dict(
+            q_segment_ids=jnp.zeros((2, 7), jnp.int32), kv_segment_ids=jnp.zeros((2, 8), jnp.int32)
+        ),
+        ValueError,
+        r"q_segment_ids.shape=\(2, 7\)",
+    ),
+    (
+        "kv_segments_shape",
+        dict(
+            q_segment_ids=jnp.zeros((2, 8), jnp.int32), kv_segment_ids=jnp.zeros((1, 8), jnp.int32)
+        ),
+        ValueError,
+        r"kv_segment_ids.shape=\(1, 8\)",
+    ),
+    (
+        "segments_dtype",
+        dict(q_segment_ids=jnp.zeros((2, 8)), kv_segment_ids=jnp.zeros((2, 8))),
+        TypeError,
+        "q_segment_ids must be integers",
+    ),
+    (
+        "mask_shape",
+        dict(attention_mask=jnp.ones((2, 4, 8, 7), bool)),
+        ValueError,
+        r"attention_mask.shape=\(2, 4, 8, 7\)",
+    ),
+    ("mask_dtype", dict(attention_mask=jnp.ones((8, 8))), TypeError, "attention_mask must be"),
+    ("bias_shape", dict(bias=jnp.ones((3, 1, 8, 8))), ValueError, r"bias.shape=\(3, 1, 8, 8\)"),
+    ("bias_rank", dict(bias=jnp.ones((1, 2, 4, 8, 8))), ValueError, "bias.shape"),
+    ("dropout_no_seed", dict(dropout_prob=0.1), ValueError, "dropout_seed"),
+    ("dropout_one", dict(dropout_prob=1.0, dropout_seed=0), ValueError, "dropout_prob=1.0"),
+    (
+        "seed_shape",
+        dict(dropout_prob=0.1, dropout_seed=jnp.zeros((2,), jnp.uint32)),
+        ValueError,
+        r"dropout_seed.shape=\(2,\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "error", "match"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_invalid_calls_name_the_value(case: dict[str, Any], error: type, match: str) -> None:
+    case = dict(case)
+    arrays = case.pop("arrays", _arrays())
+    bias = case.pop("bias", None)
+    with pytest.raises(error, match=match):
+        FlashAttention()(*arrays, bias, **case)
+
+
+BAD_PUBLIC = [
+    ("platform", dict(platform="nope"), ValueError, "platform='nope'"),
+    (
+        "cfg_conflict",
+        dict(platform="xla", cfg=AttentionConfig(platform="cudnn")),
+        ValueError,
+        "disagrees",
+    ),
+    ("variant", dict(cfg=AttentionConfig(platform="xla", variant="nope")), ValueError, "'nope'"),
+    ("kv_heads", dict(arrays=_arrays(k=(2, 8, 3, 16))), ValueError, "kv_heads=3"),
+    ("segments_alone", dict(kv_segment_ids=jnp.zeros((2, 8), jnp.int32)), ValueError, "together"),
+    ("dropout_no_seed", dict(dropout_prob=0.5), ValueError, "dropout_seed"),
+    ("window_negative", dict(sliding_window=(-1, 0)), ValueError, r"\(-1, 0\)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "error", "match"), [b[1:] for b in BAD_PUBLIC], ids=[b[0] for b in BAD_PUBLIC]
+)
+def test_invalid_public_calls(case: dict[str, Any], error: type, match: str) -> None:
+    case = dict(case)
+    arrays = case.pop("arrays", _arrays())
+    with pytest.raises(error, match=match):
+        flash_attention(*arrays, **case)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="'auto'"):
+        AttentionConfig(platform="auto")
+    with pytest.raises(ValueError, match="'tpu'"):
+        AttentionConfig(platform="tpu")
+    with pytest.raises(TypeError, match="FwdParams"):
+        AttentionConfig(platform="xla", fwd=BwdParams())
+    with pytest.raises(ValueError, match="variant"):
+        AttentionConfig(platform="xla", variant="")
+    with pytest.raises(ValueError, match="platform='gpu'"):
+        FlashAttention(platform="gpu")
+    cfg = AttentionConfig(platform="xla", variant="chunked", fwd=FwdParams(q_blocksize=32))
+    assert ejkfn.from_json(ejkfn.to_json(cfg)) == cfg
+
+
+# --- properties --------------------------------------------------------------------------------------
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[Case, tuple[int, int, int, int]]:
+    kv_heads = draw(st.sampled_from([1, 2]))
+    window = draw(st.none() | st.integers(0, 6) | st.tuples(st.integers(0, 10), st.integers(0, 10)))
+    case = Case(
+        batch=draw(st.integers(1, 2)),
+        seq_q=draw(st.integers(1, 40)),
+        seq_k=draw(st.integers(1, 40)),
+        heads=kv_heads * draw(st.sampled_from([1, 2])),
+        kv_heads=kv_heads,
+        dim=draw(st.sampled_from([4, 8, 12, 16])),
+        causal=draw(st.booleans()),
+        window=window,
+        bias=draw(st.sampled_from([None, "full", "heads", "2d", "rows"])),
+        mask=draw(st.booleans()),
+        segments=draw(st.booleans()),
+        soft_cap=draw(st.none() | st.floats(1.0, 20.0)),
+        scale=draw(st.none() | st.floats(0.05, 1.0)),
+        dropout=draw(st.sampled_from([0.0, 0.0, 0.3])),
+    )
+    blocks = tuple(draw(st.sampled_from([4, 8, 16, 64])) for _ in range(4))
+    return case, blocks
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(drawn=_cases(), variant=st.sampled_from(["dense", "chunked"]), seed=st.integers(0, 2**30))
+def test_property_xla_matches_reference(
+    drawn: tuple[Case, tuple[int, ...]], variant: str, seed: int
+) -> None:
+    case, (fq, fk, bq, bk) = drawn
+    cfg = AttentionConfig(
+        platform="xla",
+        variant=variant,
+        fwd=FwdParams(q_blocksize=fq, kv_blocksize=fk),
+        bwd=BwdParams(q_blocksize=bq, kv_blocksize=bk),
+    )
+    x = _inputs(case, jax.random.key(seed))
+    out, grads = _jit(_with_grads(_call(case, cfg)))(x)
+    _check(case, x, out, grads)
