@@ -208,21 +208,21 @@ def timings(batch=2, seq=4096, heads=16, dim=128, dtype=jnp.bfloat16):
             )
             RESULTS["timings"].append(row)
             print(
-                f"  {name:<7} causal={causal!s:<5} fwd {t_f * 1e3:7.2f} ms {row['fwd_tflops']:6.1f} "
+                f"  {batch}x{seq}x{heads}x{dim} {name:<7} causal={causal!s:<5} fwd {t_f * 1e3:7.2f} ms {row['fwd_tflops']:6.1f} "
                 f"TFLOP/s | fwd+bwd {t_fb * 1e3:7.2f} ms {row['fwd_bwd_tflops']:6.1f} TFLOP/s",
                 flush=True,
             )
 
 
-def sweep(budget, batch=2, seq=4096, heads=16, dim=128, dtype=jnp.bfloat16, causal=False):
+def sweep(budget, fwds, bwds, batch=2, seq=4096, heads=16, dim=128, dtype=jnp.bfloat16,
+          causal=False):  # fmt: skip
+    """Time each (q_block, kv_block, warps, stages) forward config, then each backward config."""
     args, dout = operands(1, batch, seq, seq, heads, heads, dim, dtype)
     q, k, v = args[:3]
     spec = AttentionSpec(scale=dim**-0.5, causal=causal)
     flops = 4 * batch * heads * seq * seq * dim / (2 if causal else 1)
-    fwds = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-            (128, 32, 4, 3), (64, 128, 4, 2), (128, 64, 8, 4)]  # fmt: skip
-    bwds = [(64, 64, 4, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2), (128, 64, 8, 2),
-            (32, 64, 4, 2), (128, 128, 8, 1), (32, 128, 8, 2), (64, 32, 4, 3)]  # fmt: skip
+    shape = [batch, seq, heads, dim]
+    print(f"sweep {shape} causal={causal} (cfg = q_block kv_block warps stages):", flush=True)
     out, lse = tri.fwd(q, k, v, None, None, None, None, None, spec=spec, params=FwdParams())
     for bq, bk, w, s in fwds:
         if elapsed() > budget:
@@ -237,7 +237,7 @@ def sweep(budget, batch=2, seq=4096, heads=16, dim=128, dtype=jnp.bfloat16, caus
         except Exception as exc:
             t, msg = None, f"failed: {exc!r}"[:200]
         RESULTS["sweep"].append(
-            dict(kind="fwd", causal=causal, cfg=[bq, bk, w, s], ms=t and t * 1e3)
+            dict(kind="fwd", shape=shape, causal=causal, cfg=[bq, bk, w, s], ms=t and t * 1e3)
         )
         print(f"  fwd {bq:>3} {bk:>3} w{w} s{s}: {msg}", flush=True)
     for bq, bk, w, s in bwds:
@@ -253,10 +253,23 @@ def sweep(budget, batch=2, seq=4096, heads=16, dim=128, dtype=jnp.bfloat16, caus
         except Exception as exc:
             t, msg = None, f"failed: {exc!r}"[:200]
         RESULTS["sweep"].append(
-            dict(kind="bwd", causal=causal, cfg=[bq, bk, w, s], ms=t and t * 1e3)
+            dict(kind="bwd", shape=shape, causal=causal, cfg=[bq, bk, w, s], ms=t and t * 1e3)
         )
         print(f"  bwd {bq:>3} {bk:>3} w{w} s{s}: {msg}", flush=True)
 
+
+# (shape and causality, forward configs, backward configs): what the first H200 run left open
+SWEEPS = [
+    (dict(), [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 3),
+              (64, 128, 4, 3)],
+     [(64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 3), (32, 32, 4, 2), (64, 32, 4, 2)]),
+    (dict(causal=True), [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
+     [(64, 64, 4, 2)]),
+    (dict(batch=8, seq=2048, heads=32, dim=64),
+     [(128, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 128, 8, 3),
+      (128, 32, 4, 4)],
+     [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3)]),
+]  # fmt: skip
 
 CHECKS = [
     ("bf16 2x2048x8x128", {}),
@@ -286,6 +299,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--small", action="store_true", help="tiny sizes (a CPU dry run)")
+    parser.add_argument("--skip", nargs="*", default=[], help="skip checks whose name has these")
     a = parser.parse_args()
     global SMALL
     SMALL = 16 if a.small else 1
@@ -293,6 +307,8 @@ def main():
     print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
     RESULTS["device"] = dev.device_kind
     for i, (name, kw) in enumerate(CHECKS):
+        if any(word in name for word in a.skip):
+            continue
         if i >= 3 and elapsed() > a.budget * 0.45:
             print(f"SKIP {name} (time budget)", flush=True)
             continue
@@ -302,13 +318,18 @@ def main():
             print(f"ERROR {name}\n{traceback.format_exc()[-1500:]}", flush=True)
             RESULTS["checks"].append(dict(name=name, ok=False, error=traceback.format_exc()[-600:]))
     print("timings (bf16, median of 20):", flush=True)
-    try:
-        timings(seq=4096 // SMALL, heads=max(1, 16 // SMALL))
-    except Exception:
-        print(traceback.format_exc()[-1500:], flush=True)
+    for batch, seq, heads, dim in ((2, 4096, 16, 128), (8, 2048, 32, 64)):
+        try:
+            timings(batch, seq // SMALL, max(1, heads // SMALL), dim)
+        except Exception:
+            print(traceback.format_exc()[-1500:], flush=True)
     if not a.no_sweep:
-        print("sweep (bf16 2x4096x16x128, non-causal; cfg = q_block kv_block warps stages):")
-        sweep(a.budget, seq=4096 // SMALL, heads=max(1, 16 // SMALL))
+        for kw, fwds, bwds in SWEEPS:
+            kw = dict(kw)
+            kw["seq"] = kw.get("seq", 4096) // SMALL
+            kw["heads"] = max(1, kw.get("heads", 16) // SMALL)
+            if elapsed() < a.budget:
+                sweep(a.budget, fwds, bwds, **kw)
     n_ok = sum(bool(c.get("ok")) for c in RESULTS["checks"])
     print(f"checks passed: {n_ok}/{len(RESULTS['checks'])}; total {elapsed():.0f}s", flush=True)
     os.makedirs(a.out, exist_ok=True)
