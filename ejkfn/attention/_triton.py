@@ -375,14 +375,16 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
-    # Measured on an H200 at 2 x 4096 x 16 x 128 bf16 (benchmarks/check_triton_gpu.py): forward
-    # 128 x 64 with 8 warps and 4 stages led the sweep; backward 64 x 64 with 4 warps, 2 stages.
+    # From sweeps on an H200 in bf16 (benchmarks/results/check_triton_gpu_h200.json): at
+    # 2 x 4096 x 16 x 128 the forward liked 128 x 64 with 8 warps, 4 stages (3 when causal), the
+    # backward 64 x 64 with 4 warps, 2 stages; at 8 x 2048 x 32 x 64 the forward liked 64 x 64.
     d = _block_d(shape.head_dim)
     if d <= 64:
-        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=4)
+        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=4)
         bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     elif d <= 128:
-        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=4)
+        stages = 3 if shape.spec.causal else 4
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=stages)
         bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
