@@ -231,6 +231,7 @@ def _fwd_inner(
     HAS_MASK: tl.constexpr,
     HAS_SEG: tl.constexpr,
     DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -257,7 +258,7 @@ def _fwd_inner(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DROP_THRESH > 0:
+        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
             p = tl.where(
                 _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH), p, 0.0
             )
@@ -356,13 +357,13 @@ def fwd_kernel(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, seed, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
         kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
         SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-        HAS_SEG, DROP_THRESH, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -478,7 +479,7 @@ def _dkdv_inner(
         p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROP_THRESH > 0:
+        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
             keep = _keep(seed, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
             dv += tl.dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
@@ -603,7 +604,7 @@ def bwd_dkdv_kernel(
                 WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
                 DOT_PRECISION, BLOCK_Q, BLOCK_D,
             )  # fmt: skip
-    if DROP_THRESH > 0:
+    if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
         dv = dv * DROP_SCALE
     dk = dk * SCALE
     dk_ptrs = DK + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :]
@@ -676,7 +677,7 @@ def _dq_inner(
             s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROP_THRESH > 0:
+        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
             keep = _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])
