@@ -39,10 +39,13 @@ def _jit(f: Any) -> Any:
 # --- the backend table -----------------------------------------------------------------------------
 
 
-def _probe(backend: AttentionBackend) -> str | None:
-    """Why ``backend`` cannot run here (in its interpreter if need be), or None when it can."""
-    q = jax.ShapeDtypeStruct((1, 32, 2, 32), jnp.float32)
-    spec = AttentionSpec(scale=0.25)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _probe(backend: AttentionBackend, dtype: str) -> str | None:
+    """Why ``backend`` cannot run here in ``dtype`` (in its interpreter if need be), or None."""
+    q = jax.ShapeDtypeStruct((1, 128, 2, 64), dtype)
+    spec = AttentionSpec(scale=0.125)
     shape = AttentionShape.of(q, q, spec)
     fp, bp = backend.heuristic(shape)
     args = (q, q, q, None, None, None, None, None)
@@ -62,24 +65,35 @@ def _probe(backend: AttentionBackend) -> str | None:
     return None
 
 
-def _table() -> tuple[list[Any], list[Any], list[tuple[AttentionBackend, str]]]:
+def _table() -> tuple[list[Any], list[Any], list[tuple[AttentionBackend, str]], dict[Any, Any]]:
+    """Native and interpreted backends (as parameters), refusing ones, and the dtypes each takes."""
     native, interpreted, refusing = [], [], []
+    dtypes: dict[tuple[str, str], tuple[str, ...]] = {}
     kind = ejkfn.device_kind()
     for backend in registered_backends():
         name = f"{backend.platform}-{backend.variant}"
         if kind in backend.devices and backend.available():
             native.append(pytest.param(backend, id=name))
+            dtypes[backend.platform, backend.variant] = DTYPES
             continue
-        why = _probe(backend)
-        if why is None:
+        reasons = {dtype: _probe(backend, dtype) for dtype in DTYPES}
+        ok = tuple(d for d in DTYPES if reasons[d] is None)
+        if ok:
             interpreted.append(pytest.param(backend, id=name, marks=pytest.mark.interpreted))
+            dtypes[backend.platform, backend.variant] = ok
         else:
-            refusing.append((backend, why))
-    return native, interpreted, refusing
+            refusing.append((backend, reasons[DTYPES[0]]))
+    return native, interpreted, refusing, dtypes
 
 
-NATIVE, INTERPRETED, REFUSING = _table()
+NATIVE, INTERPRETED, REFUSING, BACKEND_DTYPES = _table()
 ALL = NATIVE + INTERPRETED
+
+
+def _in_dtype(backend: AttentionBackend, case: Case) -> Case:
+    """``case`` in a dtype the backend takes (a float32-less backend runs float32 cases in bf16)."""
+    ok = BACKEND_DTYPES[backend.platform, backend.variant]
+    return case if case.dtype in ok else dataclasses.replace(case, dtype=ok[0])
 
 
 def _backend_of(param: Any) -> AttentionBackend:
@@ -170,7 +184,7 @@ CASES: list[tuple[str, Case, bool]] = [
     ("f16_soft_cap", Case(dtype="float16", soft_cap=5.0, causal=True), False),
 ]  # fmt: skip
 
-# (atol, rtol) per dtype, forward and gradients; atol is relative to the largest reference value.
+# (atol, rtol) per dtype, forward and gradients; atol is relative to max(1, largest reference value).
 TOL = {
     "float32": ((2e-5, 2e-5), (1e-4, 1e-4)),
     "float16": ((4e-3, 4e-3), (1e-2, 1e-2)),
@@ -311,7 +325,7 @@ def _close(name: str, got: Any, want: Any, tol: tuple[float, float]) -> None:
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     assert np.all(np.isfinite(got)), f"{name}: non-finite values"
     atol, rtol = tol
-    scale = max(float(np.max(np.abs(want), initial=0.0)), 1e-6)
+    scale = max(float(np.max(np.abs(want), initial=0.0)), 1.0)  # inputs are O(1)
     err = np.abs(got - want) - rtol * np.abs(want)
     worst = float(np.max(err, initial=0.0)) / scale
     assert worst <= atol, f"{name}: error {worst:.3g} (relative to max {scale:.3g}) > {atol}"
@@ -345,15 +359,17 @@ def _matrix(backends: list[Any]) -> list[Any]:
 # --- forward and gradients against the reference --------------------------------------------------
 
 
-def _skip_refused(backend: AttentionBackend, case: Case) -> None:
+def _runnable(backend: AttentionBackend, case: Case) -> Case:
+    """``case`` as ``backend`` can run it here; skips features it refuses (tested separately)."""
     missing = case.spec.features & backend.unsupported
     if missing:
         pytest.skip(f"{backend.platform}/{backend.variant} refuses {sorted(missing)}")
+    return _in_dtype(backend, case)
 
 
 @pytest.mark.parametrize(("backend", "case"), _matrix(ALL))
 def test_matches_reference(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
-    _skip_refused(backend, case)
+    case = _runnable(backend, case)
     x = _inputs(case, key)
     out, grads = _jit(_with_grads(_call(case, _cfg(backend, case))))(x)
     _check(case, x, out, grads)
@@ -376,7 +392,7 @@ def _vmap_matrix() -> list[Any]:
 
 @pytest.mark.parametrize(("backend", "case"), _vmap_matrix())
 def test_vmap(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
-    _skip_refused(backend, case)
+    case = _runnable(backend, case)
     keys = jax.random.split(key, 2)
     xs = [_inputs(case, k) for k in keys]
     if case.dropout:
@@ -394,7 +410,7 @@ def test_vmap(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
 @pytest.mark.parametrize("backend", ALL)
 def test_dropout_is_deterministic(backend: AttentionBackend, key: jax.Array) -> None:
     case = Case(batch=1, seq_q=16, seq_k=16, heads=2, kv_heads=2, dim=16, dropout=0.5)
-    _skip_refused(backend, case)
+    case = _runnable(backend, case)
     x = _inputs(case, key)
     f = _jit(_call(case, _cfg(backend, case)))
 
@@ -771,11 +787,11 @@ def _cases(draw: st.DrawFn) -> tuple[Case, tuple[int, int, int, int]]:
     window = draw(st.none() | st.integers(0, 6) | st.tuples(st.integers(0, 10), st.integers(0, 10)))
     case = Case(
         batch=draw(st.integers(1, 2)),
-        seq_q=draw(st.integers(1, 40)),
-        seq_k=draw(st.integers(1, 40)),
+        seq_q=draw(st.integers(1, 24)),
+        seq_k=draw(st.integers(1, 24)),
         heads=kv_heads * draw(st.sampled_from([1, 2])),
         kv_heads=kv_heads,
-        dim=draw(st.sampled_from([4, 8, 12, 16])),
+        dim=draw(st.sampled_from([4, 8, 12])),
         causal=draw(st.booleans()),
         window=window,
         bias=draw(st.sampled_from([None, "full", "heads", "2d", "rows"])),
@@ -789,10 +805,11 @@ def _cases(draw: st.DrawFn) -> tuple[Case, tuple[int, int, int, int]]:
     return case, blocks
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
-@given(drawn=_cases(), variant=st.sampled_from(["dense", "chunked"]), seed=st.integers(0, 2**30))
+@pytest.mark.parametrize("variant", ["dense", "chunked"])  # two tests: xdist runs them in parallel
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(drawn=_cases(), seed=st.integers(0, 2**30))
 def test_property_xla_matches_reference(
-    drawn: tuple[Case, tuple[int, ...]], variant: str, seed: int
+    variant: str, drawn: tuple[Case, tuple[int, ...]], seed: int
 ) -> None:
     case, (fq, fk, bq, bk) = drawn
     cfg = AttentionConfig(

@@ -533,9 +533,14 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         return AttentionShape.of(args[0], args[1], spec), args, kwargs
 
     def _auto_backends(
-        self, shape: AttentionShape, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        shape: AttentionShape,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        first: bool = False,
     ) -> tuple[list[AttentionBackend], list[str]]:
-        """Backends native to this device that can do the call, best first; and why others cannot."""
+        """Native backends that can do the call, best first (``first``: the best alone); and why not."""
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         order += [p for p in _backend.platforms() if p not in order]
@@ -548,6 +553,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                 why = _refusal(backend, shape, args, kwargs, backend.heuristic(shape))
                 if why is None:
                     chosen.append(backend)
+                    if first:
+                        return chosen, reasons
                 else:
                     reasons.append(why)
         return chosen, reasons
@@ -562,7 +569,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         """A config without measuring: the best backend for the device (see the class doc)."""
         shape, args, kwargs = self._call_of(inv)
         if self.platform == "auto":
-            chosen, reasons = self._auto_backends(shape, args, kwargs)
+            chosen, reasons = self._auto_backends(shape, args, kwargs, first=True)
             if not chosen:
                 raise NotImplementedError(
                     f"no attention backend on {device_kind()!r} can do this call: "
@@ -620,8 +627,7 @@ def flash_attention(
     platform: str = "auto",
     cfg: AttentionConfig | None = None,
 ) -> Float[Array, "batch seq_q heads head_dim"]:
-    """Scaled dot-product attention, ``softmax(q k^T * scale + bias) v``, computed without the full
-    score matrix where the platform allows.
+    """Attention, ``softmax(q k^T * scale + bias) v``, without the full score matrix where it can.
 
     Semantics (identical on every platform): see ``ejkfn.attention._spec``. In short: a soft cap
     ``cap * tanh(s / cap)`` applies to the scaled scores before the bias; query row ``i`` sits at

@@ -96,9 +96,13 @@ def _attention(
         widths = ((0, 0), (0, 0), (0, 0), (0, padded - dim))
         q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
     window = None
+    causal = spec.causal
     if spec.window is not None:
         left, right = spec.window
-        window = (left, 0 if spec.causal else right)  # causal already stops at the diagonal
+        # cuDNN applies its sliding window only with its causal mask; a window that stops at the
+        # diagonal is exactly causal attention with a left window.
+        causal = causal or right == 0
+        window = (left, 0)
     out, stats = jax.nn.dot_product_attention(
         q,
         k,
@@ -106,7 +110,7 @@ def _attention(
         bias=None if bias is None else bias.astype(q.dtype),
         mask=mask,
         scale=spec.scale,
-        is_causal=spec.causal,
+        is_causal=causal,
         local_window_size=window,
         implementation="cudnn",
         return_residual=True,
