@@ -151,7 +151,7 @@ def _eager_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
         t = type(a)
         if t is _ArrayImpl:
             sig.append((a.shape, a.dtype, a.weak_type))
-        elif t in _SCALARS:
+        elif t in _SCALARS or (t is tuple and all(type(e) in _SCALARS for e in a)):
             sig.append((t, a))
         else:
             return None
@@ -159,7 +159,7 @@ def _eager_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any
         t = type(a)
         if t is _ArrayImpl:
             sig.append((k, a.shape, a.dtype, a.weak_type))
-        elif t in _SCALARS:
+        elif t in _SCALARS or (t is tuple and all(type(e) in _SCALARS for e in a)):
             sig.append((k, t, a))
         else:
             return None

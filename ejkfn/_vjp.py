@@ -20,10 +20,16 @@ def _zero_cotangent(shape: tuple[int, ...], dtype: Any) -> Any:
     return np.zeros(shape, dtype=jax.dtypes.float0)  # integer and bool inputs take no gradient
 
 
-def _grad_for(grads: Any, where: int | str, count: int) -> Any:
+def _grad_for(grads: Any, where: int | str, count: int, differentiable: bool) -> Any:
     if isinstance(grads, Mapping):
         return grads.get(where)
     if isinstance(where, str):
+        if differentiable:
+            raise TypeError(
+                f"keyword argument {where!r} holds a floating array, but bwd returned a tuple, which "
+                "only covers positional arguments; return a mapping such as "
+                f"{{0: ..., {where!r}: ...}} (None for no gradient)"
+            )
         return None
     if not isinstance(grads, (tuple, list)) or len(grads) != count:
         raise TypeError(
@@ -74,7 +80,12 @@ def custom_vjp(
             cursor: dict[int | str, list[Any] | None] = {}
             for i, where in enumerate(owners):
                 if where not in cursor:
-                    gw = _grad_for(grads, where, len(args))
+                    floating = any(
+                        jnp.issubdtype(avals[j][1], jnp.inexact)
+                        for j, w in enumerate(owners)
+                        if w == where
+                    )
+                    gw = _grad_for(grads, where, len(args), floating)
                     cursor[where] = None if gw is None else list(jax.tree.leaves(gw))
                 pending = cursor[where]
                 if pending is None:

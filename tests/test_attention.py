@@ -352,6 +352,8 @@ def _matrix(backends: list[Any]) -> list[Any]:
         for name, case, in_reduced in CASES:
             if interpreted and not in_reduced:
                 continue
+            if case.spec.features & backend.unsupported:
+                continue  # refusals are tested on their own (test_refuses_unsupported_features)
             params.append(pytest.param(backend, case, id=f"{bp.id}-{name}", marks=bp.marks))
     return params
 
@@ -386,6 +388,8 @@ def _vmap_matrix() -> list[Any]:
     for bp in ALL:
         cases = VMAP_CASES[:1] if bp in INTERPRETED else VMAP_CASES
         for name, case in cases:
+            if case.spec.features & _backend_of(bp).unsupported:
+                continue
             params.append(pytest.param(_backend_of(bp), case, id=f"{bp.id}-{name}", marks=bp.marks))
     return params
 
@@ -407,7 +411,9 @@ def test_vmap(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
         _check(case, x, out[i], jax.tree.map(lambda g, i=i: g[i], grads))
 
 
-@pytest.mark.parametrize("backend", ALL)
+@pytest.mark.parametrize(
+    "backend", [bp for bp in ALL if "dropout" not in _backend_of(bp).unsupported]
+)
 def test_dropout_is_deterministic(backend: AttentionBackend, key: jax.Array) -> None:
     case = Case(batch=1, seq_q=16, seq_k=16, heads=2, kv_heads=2, dim=16, dropout=0.5)
     case = _runnable(backend, case)

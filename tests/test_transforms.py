@@ -20,6 +20,7 @@ from ejkfn.testing import Scale, ScaleCfg
 FAST = ejkfn.Tuner(warmup=0, iters=1)
 HEURISTICS = ejkfn.AutotunePolicy(allow_autotune=False)
 ROOT = Path(__file__).resolve().parents[1]
+X = jnp.arange(32.0).reshape(8, 4)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,7 +86,7 @@ def test_custom_vjp_is_used_not_autodiff():
 
         def bwd(self, res, g, *, cfg):
             x, w, out, mask = res
-            return (jnp.full_like(x, 7.0), None, None)
+            return {0: jnp.full_like(x, 7.0), 1: None, "b": None}
 
     x, w, mask, b = affine_inputs()
     dx, dw = jax.grad(lambda x, w: Lying()(x, w, mask, b=b).sum(), argnums=(0, 1))(x, w)
@@ -445,3 +446,32 @@ def test_mapping_transforms_bind_keyword_arguments():
     assert "activation='tanh'" in repr(
         ejkfn.Invocation.of(Affine(), x, w, mask, b=b, activation="tanh")
     )
+
+
+def test_tuple_gradients_with_a_floating_keyword_array_is_an_error():
+    class PositionalOnly(Affine):
+        name = "positional_only"
+
+        def bwd(self, res, g, *, cfg):
+            x, w, out, mask = res
+            dpre = g * mask * (1 - out**2)
+            return (dpre @ w.T, x.T @ dpre, None)
+
+    x, w, mask, b = affine_inputs()
+    with pytest.raises(TypeError, match="keyword argument 'b'"):
+        jax.grad(lambda x: PositionalOnly()(x, w, mask, b=b).sum())(x)
+
+
+def test_eager_calls_with_tuple_options_hit_the_fast_path():
+    class Windowed(Scale):
+        name = "windowed"
+
+        def run(self, x, *, cfg, window=(1, 1)):
+            return x * (window[0] + window[1])
+
+    k = Windowed()
+    k(X, window=(1, 2))
+    memo = ejkfn.current_session().memo
+    size = len(memo)
+    np.testing.assert_allclose(k(X, window=(1, 2)), 3 * X)
+    assert len(memo) == size  # the second call reused the jitted function
