@@ -2,10 +2,13 @@
 
 import os
 
-# Several host devices for the mapping and sharding tests; Triton kernels run in its interpreter.
+# Several host devices for the mapping and sharding tests.
+# On the CPU (the default here; run on a GPU with JAX_PLATFORMS=cuda) Triton kernels run in its
+# interpreter, which must be chosen before triton is first imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import zlib
 

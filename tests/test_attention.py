@@ -42,8 +42,12 @@ def _jit(f: Any) -> Any:
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _probe(backend: AttentionBackend, dtype: str) -> str | None:
-    """Why ``backend`` cannot run here in ``dtype`` (in its interpreter if need be), or None."""
+def _probe(backend: AttentionBackend, dtype: str, interpret: bool) -> str | None:
+    """Why ``backend`` cannot run here in ``dtype`` (natively or in its interpreter), or None.
+
+    Native backends are probed natively: probing Triton in its interpreter would fix the process's
+    Triton mode to interpreted on a GPU.
+    """
     q = jax.ShapeDtypeStruct((1, 128, 2, 64), dtype)
     spec = AttentionSpec(scale=0.125)
     shape = AttentionShape.of(q, q, spec)
@@ -51,10 +55,10 @@ def _probe(backend: AttentionBackend, dtype: str) -> str | None:
     args = (q, q, q, None, None, None, None, None)
     try:
         out, lse = jax.eval_shape(
-            functools.partial(backend.fwd, spec=spec, params=fp, interpret=True), *args
+            functools.partial(backend.fwd, spec=spec, params=fp, interpret=interpret), *args
         )
         jax.eval_shape(
-            functools.partial(backend.bwd, spec=spec, params=bp, interpret=True),
+            functools.partial(backend.bwd, spec=spec, params=bp, interpret=interpret),
             *args,
             out,
             lse,
@@ -72,12 +76,13 @@ def _table() -> tuple[list[Any], list[Any], list[tuple[AttentionBackend, str]], 
     kind = ejkfn.device_kind()
     for backend in registered_backends():
         name = f"{backend.platform}-{backend.variant}"
-        if kind in backend.devices and backend.available():
-            native.append(pytest.param(backend, id=name))
-            dtypes[backend.platform, backend.variant] = DTYPES
-            continue
-        reasons = {dtype: _probe(backend, dtype) for dtype in DTYPES}
+        native_here = kind in backend.devices and backend.available()
+        reasons = {dtype: _probe(backend, dtype, interpret=not native_here) for dtype in DTYPES}
         ok = tuple(d for d in DTYPES if reasons[d] is None)
+        if ok and native_here:
+            native.append(pytest.param(backend, id=name))
+            dtypes[backend.platform, backend.variant] = ok
+            continue
         if ok:
             interpreted.append(pytest.param(backend, id=name, marks=pytest.mark.interpreted))
             dtypes[backend.platform, backend.variant] = ok

@@ -16,7 +16,8 @@ whatever the input dtype; outputs are cast back to the input dtype.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -532,13 +533,30 @@ def _chunked_candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParam
     return out
 
 
+def _exact_f32(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with float32 (and wider) inputs multiplied in full precision.
+
+    JAX's default lets GPUs and TPUs multiply float32 in reduced precision (TF32, bf16 passes); here
+    float32 in means float32 arithmetic, as in the Pallas and Triton backends.
+    """
+
+    @functools.wraps(fn)
+    def wrapped(q: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        if jnp.dtype(q.dtype).itemsize >= 4:
+            with jax.default_matmul_precision("highest"):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
+
+    return wrapped
+
+
 DENSE = register_backend(
     AttentionBackend(
         platform="xla",
         variant="dense",
         devices=("cpu", "gpu", "tpu"),
-        fwd=_dense_fwd,
-        bwd=_dense_bwd,
+        fwd=_exact_f32(_dense_fwd),
+        bwd=_exact_f32(_dense_bwd),
         heuristic=_dense_heuristic,
         candidates=_dense_candidates,
     )
@@ -549,8 +567,8 @@ CHUNKED = register_backend(
         platform="xla",
         variant="chunked",
         devices=("cpu", "gpu", "tpu"),
-        fwd=_chunked_fwd,
-        bwd=_chunked_bwd,
+        fwd=_exact_f32(_chunked_fwd),
+        bwd=_exact_f32(_chunked_bwd),
         heuristic=_chunked_heuristic,
         candidates=_chunked_candidates,
     )
