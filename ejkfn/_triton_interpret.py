@@ -195,23 +195,29 @@ def launch(
     interpreter on host copies, so it works under ``jit`` and ``vmap`` (one call per batch element).
     """
     out_shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in out_shapes)
+    is_array = [not isinstance(a, (bool, int, float)) for a in args]
+    arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
     if not interpret:
         import jax_triton
 
-        outs = jax_triton.triton_call(
-            *args,
-            kernel=kernel,
-            out_shape=out_shapes,
-            grid=grid,
-            num_warps=num_warps,
-            num_stages=num_stages,
-            zeroed_outputs=tuple(zeroed),
-            **constexprs,
-        )
-        return tuple(outs)
+        # triton_call has no batching rule; under vmap the kernel runs once per mapped element.
+        @jax.custom_batching.sequential_vmap
+        def compiled(*device_arrays: jax.Array) -> tuple[jax.Array, ...]:
+            it = iter(device_arrays)
+            call = [next(it) if arr else a for a, arr in zip(args, is_array, strict=True)]
+            outs = jax_triton.triton_call(
+                *call,
+                kernel=kernel,
+                out_shape=out_shapes,
+                grid=grid,
+                num_warps=num_warps,
+                num_stages=num_stages,
+                zeroed_outputs=tuple(zeroed),
+                **constexprs,
+            )
+            return tuple(outs)
 
-    is_array = [not isinstance(a, (bool, int, float)) for a in args]
-    arrays = [a for a, arr in zip(args, is_array, strict=True) if arr]
+        return tuple(compiled(*arrays))
 
     def host(*host_arrays: Any) -> tuple[np.ndarray, ...]:
         it = iter(host_arrays)

@@ -348,6 +348,20 @@ def _check(case: Case, x: dict[str, Any], out: Any, grads: Any) -> None:
             _close(name, got, want, grad_tol)
 
 
+def _shape_refusal(backend: AttentionBackend, case: Case) -> str | None:
+    """Why a native ``backend`` refuses ``case`` for its shapes (cuDNN's alignment, say), or None."""
+    x = _inputs(_in_dtype(backend, case), jax.random.key(0))
+    try:
+        jax.eval_shape(_with_grads(_call(_in_dtype(backend, case), _cfg(backend, case))), x)
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+# (backend, case) pairs a native backend refuses for their shapes: checked to refuse, not to run.
+SHAPE_REFUSALS: list[Any] = []
+
+
 def _matrix(backends: list[Any]) -> list[Any]:
     """(backend, case) parameters: every case natively, the reduced set in interpreters."""
     params = []
@@ -359,6 +373,9 @@ def _matrix(backends: list[Any]) -> list[Any]:
                 continue
             if case.spec.features & backend.unsupported:
                 continue  # refusals are tested on their own (test_refuses_unsupported_features)
+            if not interpreted and backend.platform == "cudnn" and _shape_refusal(backend, case):
+                SHAPE_REFUSALS.append(pytest.param(backend, case, id=f"{bp.id}-{name}"))
+                continue
             params.append(pytest.param(backend, case, id=f"{bp.id}-{name}", marks=bp.marks))
     return params
 
@@ -374,7 +391,10 @@ def _runnable(backend: AttentionBackend, case: Case) -> Case:
     return _in_dtype(backend, case)
 
 
-@pytest.mark.parametrize(("backend", "case"), _matrix(ALL))
+MATRIX = _matrix(ALL)
+
+
+@pytest.mark.parametrize(("backend", "case"), MATRIX)
 def test_matches_reference(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
     case = _runnable(backend, case)
     x = _inputs(case, key)
@@ -393,7 +413,14 @@ def _vmap_matrix() -> list[Any]:
     for bp in ALL:
         cases = VMAP_CASES[:1] if bp in INTERPRETED else VMAP_CASES
         for name, case in cases:
-            if case.spec.features & _backend_of(bp).unsupported:
+            backend = _backend_of(bp)
+            if case.spec.features & backend.unsupported:
+                continue
+            if (
+                bp not in INTERPRETED
+                and backend.platform == "cudnn"
+                and _shape_refusal(backend, case)
+            ):
                 continue
             params.append(pytest.param(_backend_of(bp), case, id=f"{bp.id}-{name}", marks=bp.marks))
     return params
@@ -832,3 +859,14 @@ def test_property_xla_matches_reference(
     x = _inputs(case, jax.random.key(seed))
     out, grads = _jit(_with_grads(_call(case, cfg)))(x)
     _check(case, x, out, grads)
+
+
+if SHAPE_REFUSALS:  # only where a native backend refuses some shapes (cuDNN on a GPU)
+
+    @pytest.mark.parametrize(("backend", "case"), SHAPE_REFUSALS)
+    def test_shape_dependent_refusals_name_the_platform(
+        backend: AttentionBackend, case: Case
+    ) -> None:
+        x = _inputs(_in_dtype(backend, case), jax.random.key(1))
+        with pytest.raises(NotImplementedError, match=backend.platform):
+            jax.jit(_with_grads(_call(_in_dtype(backend, case), _cfg(backend, case))))(x)
