@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ._platform import device_kind
 
@@ -42,15 +42,26 @@ class Backend(enum.StrEnum):
     ANY = "any"
 
 
-def _positive(obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+class _Validated:
+    """Checks at construction that the fields named in ``_positive`` are positive ints."""
+
+    __slots__ = ()
+    _positive: ClassVar[tuple[str, ...]] = (
+        "q_blocksize",
+        "kv_blocksize",
+        "num_warps",
+        "num_stages",
+    )
+
+    def __post_init__(self) -> None:
+        for name in self._positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class FwdParams:
+class FwdParams(_Validated):
     """Block sizes and launch parameters of a forward pass."""
 
     q_blocksize: int = 128
@@ -58,12 +69,9 @@ class FwdParams:
     num_warps: int = 4
     num_stages: int = 2
 
-    def __post_init__(self) -> None:
-        _positive(self, "q_blocksize", "kv_blocksize", "num_warps", "num_stages")
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class BwdParams:
+class BwdParams(_Validated):
     """Block sizes and launch parameters of a backward pass."""
 
     q_blocksize: int = 64
@@ -71,13 +79,12 @@ class BwdParams:
     num_warps: int = 4
     num_stages: int = 2
 
-    def __post_init__(self) -> None:
-        _positive(self, "q_blocksize", "kv_blocksize", "num_warps", "num_stages")
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class KernelConfig:
+class KernelConfig(_Validated):
     """The reference's shared kernel config: block sizes, launch parameters, platform."""
+
+    _positive = ("block_q", "block_k", "block_d", "num_warps", "num_stages")
 
     block_q: int = 128
     block_k: int = 128
@@ -90,7 +97,7 @@ class KernelConfig:
     priority: int = 0
 
     def __post_init__(self) -> None:
-        _positive(self, "block_q", "block_k", "block_d", "num_warps", "num_stages")
+        super(KernelConfig, self).__post_init__()
         Platform(self.platform)
         Backend(self.backend)
 
