@@ -428,3 +428,60 @@ def test_ambient_session_sugar():
     with ejkfn.policy_override(allow_heuristics=False):
         assert ejkfn.current_session().policy.allow_heuristics is False
     assert ejkfn.current_session().policy.allow_heuristics is True
+
+
+def test_validate_backward_times_forward_and_backward():
+    d, _ = tiers(inv_of(), ejkfn.Caches(), policy=ejkfn.AutotunePolicy(validate_backward=True))
+    assert d.tune.backward is True and d.tune.notes == ()
+
+
+class NotDifferentiable(Scale):
+    name = "not_differentiable"
+
+    def run(self, x, *, cfg):
+        # A host callback has no derivative rule: only the forward can be timed.
+        return jax.pure_callback(lambda a: a * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+
+def test_validate_backward_falls_back_to_forward_when_not_differentiable():
+    d, _ = tiers(
+        inv_of(NotDifferentiable()),
+        ejkfn.Caches(),
+        policy=ejkfn.AutotunePolicy(validate_backward=True),
+    )
+    assert d.tier == "autotune" and d.tune.backward is False
+    assert "forward only" in d.tune.notes[0]
+
+
+def test_tuner_inputs_are_random_never_zeros():
+    seen = []
+
+    class Spy(Scale):
+        name = "spy_inputs"
+
+        def run(self, x, *, cfg):
+            jax.debug.callback(lambda a: seen.append(np.asarray(a)), x)
+            return x
+
+    tiers(inv_of(Spy()), ejkfn.Caches())
+    assert seen and all(np.count_nonzero(a) == a.size for a in seen)
+    assert len({a.tobytes() for a in seen}) == 1  # the same inputs for every candidate
+
+
+def test_tuner_bounds_one_call():
+    class Slow(Scale):
+        name = "slow"
+
+        def run(self, x, *, cfg):
+            def wait(a):
+                import time
+
+                time.sleep(0.05 * cfg.block)
+                return a
+
+            return jax.pure_callback(wait, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    tuner = ejkfn.Tuner(warmup=1, iters=1, max_seconds_per_call=0.15)
+    report = tuner.tune(inv_of(Slow()), [ScaleCfg(block=1), ScaleCfg(block=8)])
+    assert report.best == ScaleCfg(block=1)
+    assert report.failures[0].cfg == ScaleCfg(block=8) and "bound" in report.failures[0].error
