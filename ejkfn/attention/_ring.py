@@ -1,0 +1,419 @@
+"""Ring attention: context parallelism over one mesh axis, with a local flash-attention backend.
+
+Each device of the ring keeps its queries; key/value blocks travel one step around the ring
+(``lax.ppermute``) per step, and each device runs the local backend on the pair (its queries, the block
+it holds), merging partial results through their log-sum-exp. The backward pass is a second ring: a
+block's ``dk``/``dv`` accumulators travel with it and come home after the last step, while ``dq``
+accumulates where the queries live. Nothing quadratic in the sequence is held: per device, memory is
+linear in the local sequence length (plus the local backend's own tiles).
+
+Positions: with ``n`` devices and local length ``L``, device ``i`` holds queries and keys
+``[i * L, (i + 1) * L)`` of one self-attention sequence. At step ``s`` device ``i`` holds key block
+``j = (i - s) mod n``, whose keys sit ``d = (i - j) * L`` positions before its queries; ``d`` is
+``s * L`` when ``i >= s`` and ``(s - n) * L`` otherwise, two values known at trace time. For each the
+visible keys of query row ``r`` form a band ``r + lo <= c <= r + hi``; the band is expressed through
+the backend's own bottom-right aligned causal/window masks on statically sliced queries or keys, so no
+mask array is built, and a pair that sees nothing is skipped (``lax.cond`` on the device index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .._platform import device_kind
+from .._registry import BwdParams, FwdParams
+from . import _backend
+from ._api import _AUTO_ORDER, AttentionConfig, _number, _window
+from ._backend import AttentionBackend, AttentionShape, backend_for
+from ._spec import AttentionSpec
+
+__all__ = ["ring_attention", "ring_attention_sharded"]
+
+_INF = math.inf
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pair:
+    """How to run one (query shard, key shard) pair locally: static slices and a spec, or nothing.
+
+    Queries ``[:q_len]`` attend to keys ``[:k_len]`` under ``spec``; rows past ``q_len`` see nothing.
+    """
+
+    q_len: int
+    k_len: int
+    spec: AttentionSpec | None  # None: the pair sees nothing
+
+
+def _pair(base: AttentionSpec, length: int, lo: float, hi: float) -> _Pair:
+    """The local call for keys ``c`` visible to query ``r`` when ``r + lo <= c <= r + hi``."""
+    last = length - 1
+    if lo > last or hi < -last or lo > hi:
+        return _Pair(0, 0, None)
+    lo = -_INF if lo <= -last else lo
+    hi = _INF if hi >= last else hi
+    # Bottom-right alignment puts the band's reference diagonal at c = r + (k_len - q_len); cut the
+    # rows (or keys) that see nothing so that the diagonal lies inside the band.
+    off = min(max(0, lo), hi)
+    q_len, k_len = (length - int(off), length) if off > 0 else (length, length + int(off))
+    left, right = off - lo, hi - off
+    causal, window = False, None
+    if left == _INF and right == 0:
+        causal = True
+    elif left != _INF or right != _INF:
+        span = q_len + k_len  # wider than any distance inside the pair: "unlimited"
+        window = (int(min(left, span)), int(min(right, span)))
+    spec = dataclasses.replace(base, causal=causal, window=window)
+    return _Pair(q_len, k_len, spec)
+
+
+def _band(d: int, causal: bool, window: tuple[int, int] | None) -> tuple[float, float]:
+    """Visible keys relative to the query row for key positions ``d`` before the queries."""
+    lo, hi = -_INF, _INF
+    if window is not None:
+        lo, hi = float(d - window[0]), float(d + window[1])
+    if causal:
+        hi = min(hi, float(d))
+    return lo, hi
+
+
+def _pad_rows(x: jax.Array, size: int, axis: int, value: Any = 0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Local:
+    """The local backend and its static parameters."""
+
+    backend: AttentionBackend
+    fwd_params: FwdParams
+    bwd_params: BwdParams
+    interpret: bool
+
+    def fwd(self, pair: _Pair, q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
+        """``(out, lse)`` of ``q`` against the pair's keys, float32, padded back to all rows."""
+        batch, length, heads, dim = q.shape
+        if pair.spec is None:
+            return (
+                jnp.zeros((batch, length, heads, dim), jnp.float32),
+                jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
+            )
+        out, lse = self.backend.fwd(
+            q[:, : pair.q_len], k[:, : pair.k_len], v[:, : pair.k_len],
+            None, None, None, None, None,
+            spec=pair.spec, params=self.fwd_params, interpret=self.interpret,
+        )  # fmt: skip
+        out = _pad_rows(out.astype(jnp.float32), length, 1)
+        lse = _pad_rows(lse.astype(jnp.float32), length, 2, -jnp.inf)
+        return out, lse
+
+    def bwd(
+        self,
+        pair: _Pair,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        out: jax.Array,
+        lse: jax.Array,
+        dout: jax.Array,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``(dq, dk, dv)`` in float32 of the pair, given the global ``out`` and ``lse`` of ``q``."""
+        if pair.spec is None:
+            zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+            return zeros(q.shape), zeros(k.shape), zeros(v.shape)
+        nq, nk = pair.q_len, pair.k_len
+        dq, dk, dv, _ = self.backend.bwd(
+            q[:, :nq], k[:, :nk], v[:, :nk],
+            None, None, None, None, None,
+            out[:, :nq], lse[:, :, :nq], dout[:, :nq],
+            spec=pair.spec, params=self.bwd_params, interpret=self.interpret,
+        )  # fmt: skip
+        length = q.shape[1]
+        return (
+            _pad_rows(dq.astype(jnp.float32), length, 1),
+            _pad_rows(dk.astype(jnp.float32), length, 1),
+            _pad_rows(dv.astype(jnp.float32), length, 1),
+        )
+
+
+def _merge(
+    o1: jax.Array, l1: jax.Array, o2: jax.Array, l2: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Combine two normalised partial results by their log-sum-exps (rows at -inf stay empty)."""
+    m = jnp.maximum(l1, l2)
+    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+    w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
+    total = w1 + w2
+    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    a1 = jnp.moveaxis(w1 * inv, 1, 2)[..., None]  # [B, H, S] -> [B, S, H, 1]
+    a2 = jnp.moveaxis(w2 * inv, 1, 2)[..., None]
+    return o1 * a1 + o2 * a2, lse
+
+
+def _choose(
+    platform: str, cfg: AttentionConfig | None, base: AttentionSpec, shape: AttentionShape
+) -> _Local:
+    """The local backend: ``cfg``'s, else the platform's (``auto``: the device's best) non-dense one."""
+    if cfg is not None:
+        backend = backend_for(cfg.platform, cfg.variant or _default_variant(cfg.platform))
+        params = (cfg.fwd, cfg.bwd)
+    else:
+        backend = _backend_for_platform(platform, base)
+        params = backend.heuristic(shape)
+    if backend.variant == "dense":
+        # Its backward normalises with the local row sums, not the global out . dout that a ring
+        # needs; the chunked variant computes the same numbers blockwise and is exact here.
+        raise ValueError(
+            "ring_attention needs a backend whose backward uses the saved out and lse; "
+            f"got cfg.variant={backend.variant!r} (use 'chunked' on xla)"
+        )
+    # Pairs may need causal or window masks even when the call has neither.
+    needed = dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
+    backend.check(needed)
+    interpret = device_kind() not in backend.devices
+    return _Local(backend, params[0], params[1], interpret)
+
+
+def _default_variant(platform: str) -> str | None:
+    return "chunked" if platform == "xla" else None
+
+
+def _backend_for_platform(platform: str, base: AttentionSpec) -> AttentionBackend:
+    needed = dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
+    if platform != "auto":
+        return backend_for(platform, _default_variant(platform))
+    kind = device_kind()
+    order = list(_AUTO_ORDER.get(kind, ()))
+    for name in order:
+        for backend in _backend._variants.get(name, {}).values():
+            if backend.variant == "dense" or kind not in backend.devices:
+                continue
+            if not backend.available() or needed.features & backend.unsupported:
+                continue
+            return backend
+    return backend_for("xla", "chunked")
+
+
+def _check(name: str, x: Any) -> None:
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+    if len(x.shape) != 4:
+        raise ValueError(
+            f"{name} must be [batch, seq_local, heads, dim]; got {name}.shape={tuple(x.shape)}"
+        )
+
+
+def ring_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: Any,
+    causal: Any = False,
+    sliding_window: Any = None,
+    softmax_scale: Any = None,
+    platform: Any = "auto",
+    cfg: Any = None,
+) -> jax.Array:
+    """Self-attention over a sequence sharded along ``axis_name``, computed around a ring of devices.
+
+    Call it inside ``jax.shard_map(..., check_vma=False)`` (the local backends' loops do not track
+    varying manual axes) or :func:`ejkfn.shard_map_with_config`, with ``q``, ``k`` and ``v`` split along the sequence over ``axis_name``, in mesh order: device ``i`` holds positions
+    ``[i * seq_local, (i + 1) * seq_local)``. The result equals :func:`ejkfn.flash_attention` of the
+    whole sequence, sharded the same way; gradients flow to ``q``, ``k`` and ``v`` (a second ring).
+
+    Args:
+        q: ``[batch, seq_local, heads, dim]``, this device's queries.
+        k, v: ``[batch, seq_local, kv_heads, dim]``; ``kv_heads`` divides ``heads`` (GQA/MQA).
+        axis_name: the mesh axis the sequence is split over (static).
+        causal: each query sees keys at or before its global position (static).
+        sliding_window: an int or ``(left, right)``: keys within that distance of the query's global
+            position (static).
+        softmax_scale: defaults to ``1 / sqrt(dim)`` (static).
+        platform: the local backend's platform, ``"auto"`` (the device's best that supports the
+            call) or a registered one; XLA uses its chunked variant.
+        cfg: an explicit :class:`ejkfn.attention.AttentionConfig` for the local backend (static).
+
+    Returns:
+        ``[batch, seq_local, heads, dim]``, like ``q``.
+
+    Arguments are annotated loosely on purpose: every check below raises a ``ValueError`` that names
+    the bad value, also in test runs with a runtime type checker.
+
+    >>> from functools import partial
+    >>> mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices()[:1])
+    >>> seq = PartitionSpec(None, "sp")
+    >>> f = jax.shard_map(partial(ring_attention, axis_name="sp", causal=True), mesh=mesh,
+    ...     in_specs=(seq, seq, seq), out_specs=seq, check_vma=False)
+    >>> x = jax.device_put(jnp.ones((1, 8, 2, 16)), NamedSharding(mesh, seq))
+    >>> f(x, x, x).shape
+    (1, 8, 2, 16)
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(name, x)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have one shape; got k.shape={k.shape}, v.shape={v.shape}")
+    batch, length, heads, dim = q.shape
+    if k.shape[0] != batch or k.shape[3] != dim:
+        raise ValueError(
+            f"k must have q's batch and dim; got q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}"
+        )
+    if k.shape[1] != length:
+        raise ValueError(
+            "ring attention is self-attention: q and k need one local length; "
+            f"got q.shape[1]={length}, k.shape[1]={k.shape[1]}"
+        )
+    kv_heads = k.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads; got {heads=}, {kv_heads=}")
+    if not isinstance(axis_name, str) or not axis_name:
+        raise ValueError(f"axis_name must be a mesh axis name (a str); got {axis_name!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be a bool; got causal={causal!r}")
+    if not isinstance(platform, str):
+        raise ValueError(f"platform must be a str; got platform={platform!r}")
+    if cfg is not None:
+        if not isinstance(cfg, AttentionConfig):
+            raise ValueError(f"cfg must be an AttentionConfig or None; got cfg={cfg!r}")
+        if platform not in ("auto", cfg.platform):
+            raise ValueError(f"platform={platform!r} disagrees with cfg.platform={cfg.platform!r}")
+    try:
+        window = _window(sliding_window)
+        scale = (
+            1.0 / math.sqrt(dim)
+            if softmax_scale is None
+            else _number("softmax_scale", softmax_scale)
+        )
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    try:
+        n = lax.axis_size(axis_name)
+    except NameError as exc:
+        raise ValueError(
+            f"axis_name={axis_name!r} is not a mapped axis here; call ring_attention inside "
+            "jax.shard_map over that mesh axis"
+        ) from exc
+    base = AttentionSpec(scale=scale, causal=bool(causal), window=window)
+    local = _choose(platform, cfg, base, AttentionShape.of(q, k, base))
+    # Per step, the pair for devices whose key block lies before theirs and for those that wrapped.
+    steps = tuple(
+        (
+            _pair(base, length, *_band(s * length, base.causal, window)),
+            _pair(base, length, *_band((s - n) * length, base.causal, window)),
+        )
+        for s in range(n)
+    )
+    return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local)
+
+
+def _ring(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    axis_name: str,
+    n: int,
+    steps: tuple[tuple[_Pair, _Pair], ...],
+    local: _Local,
+) -> jax.Array:
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def shift(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
+
+    def at_step(s: int, before: Any, wrapped: Any) -> Any:
+        """``before`` on devices holding an earlier block at step ``s``, ``wrapped`` on the rest."""
+        pair_b, pair_w = steps[s]
+        if pair_b == pair_w:
+            return before(pair_b)
+        index = lax.axis_index(axis_name)
+        return lax.cond(index >= s, lambda: before(pair_b), lambda: wrapped(pair_w))
+
+    def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+        out, lse = local.fwd(steps[0][0], q, k, v)
+        kb, vb = k, v
+        for s in range(1, n):
+            kb, vb = shift(kb, vb)
+
+            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
+                return local.fwd(pair, q, kb, vb)
+
+            out, lse = _merge(out, lse, *at_step(s, part, part))
+        return out.astype(q.dtype), lse
+
+    @jax.custom_vjp
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return forward(q, k, v)[0]
+
+    def attend_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_bwd(res: Any, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v, out, lse = res
+        dq = jnp.zeros(q.shape, jnp.float32)
+        kb, vb = k, v
+        dk = jnp.zeros(k.shape, jnp.float32)
+        dv = jnp.zeros(v.shape, jnp.float32)
+        for s in range(n):
+            if s:
+                kb, vb, dk, dv = shift(kb, vb, dk, dv)
+
+            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
+                return local.bwd(pair, q, kb, vb, out, lse, dout)
+
+            dq_s, dk_s, dv_s = at_step(s, part, part)
+            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+        # The block held at the last step belongs to the next device: one more step brings it home.
+        dk, dv = shift(dk, dv)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(q, k, v)
+
+
+def ring_attention_sharded(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mesh: Any,
+    axis_name: Any,
+    **kwargs: Any,
+) -> jax.Array:
+    """:func:`ring_attention` on arrays of the global shape: shards the sequence over ``axis_name``.
+
+    ``kwargs`` go to :func:`ring_attention`. Inputs are placed with ``PartitionSpec(None, axis_name)``
+    (a no-op when they already are); the output is sharded the same way.
+    """
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh must be a jax.sharding.Mesh; got mesh={mesh!r}")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name={axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    n = mesh.shape[axis_name]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check(name, x)
+        if x.shape[1] % n:
+            raise ValueError(
+                f"{name}.shape[1]={x.shape[1]} must be a multiple of the {n} devices on {axis_name!r}"
+            )
+    spec = PartitionSpec(None, axis_name)
+    body = functools.partial(ring_attention, axis_name=axis_name, **kwargs)
+    mapped = jax.shard_map(
+        body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )
+    sharding = NamedSharding(mesh, spec)
+    q, k, v = (jax.device_put(x, sharding) for x in (q, k, v))
+    return mapped(q, k, v)

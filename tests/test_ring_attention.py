@@ -1,0 +1,157 @@
+"""Ring attention over 4 and 8 host devices equals attention on one device, forward and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from ejkfn.attention._api import AttentionConfig
+from ejkfn.attention._reference import reference_attention
+from ejkfn.attention._ring import ring_attention, ring_attention_sharded
+from ejkfn.attention._spec import AttentionSpec
+
+P = PartitionSpec
+
+
+def _mesh(n):
+    return jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+
+
+def _inputs(key, seq, heads, kv_heads, dim, mesh):
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    shape_q, shape_k = (1, seq, heads, dim), (1, seq, kv_heads, dim)
+    arrays = (
+        jax.random.normal(kq, shape_q, jnp.float32),
+        jax.random.normal(kk, shape_k, jnp.float32),
+        jax.random.normal(kv, shape_k, jnp.float32),
+        jax.random.normal(kd, shape_q, jnp.float32),
+    )
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    return tuple(jax.device_put(x, sharding) for x in arrays)
+
+
+def _local(*arrays):
+    """The arrays gathered onto one device, for the single-device reference."""
+    return tuple(jnp.asarray(np.asarray(x)) for x in arrays)
+
+
+def _close(got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+CASES = [
+    # (devices, heads, kv_heads, causal, sliding_window)
+    (4, 2, 2, False, None),
+    (4, 4, 2, True, None),
+    (4, 2, 1, False, (20, 7)),
+    (8, 2, 2, True, None),
+    (8, 4, 2, False, None),
+    (8, 2, 2, True, 11),
+    (8, 4, 2, False, (3, 13)),
+]
+
+
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "causal", "window"), CASES)
+def test_ring_matches_single_device(key, n, heads, kv_heads, causal, window):
+    seq, dim = 64, 16
+    mesh = _mesh(n)
+    q, k, v, dout = _inputs(key, seq, heads, kv_heads, dim, mesh)
+    sides = (window, window) if isinstance(window, int) else window
+    spec = AttentionSpec(scale=dim**-0.5, causal=causal, window=sides)
+
+    def ref(q, k, v):
+        return reference_attention(q, k, v, spec=spec)[0]
+
+    ring = jax.jit(
+        functools.partial(
+            ring_attention_sharded, mesh=mesh, axis_name="sp", causal=causal, sliding_window=window
+        )
+    )
+    out, vjp = jax.vjp(ring, q, k, v)
+    want, ref_vjp = jax.vjp(ref, *_local(q, k, v))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "sp")), out.ndim)
+    _close(out, want)
+    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+        assert got.shape == expected.shape
+        _close(got, expected)
+
+
+def test_window_narrower_than_a_shard(key):
+    # Every pair but the diagonal sees nothing and is skipped; partial rows of -inf merge without NaNs.
+    mesh = _mesh(4)
+    q, k, v, dout = _inputs(key, 32, 2, 2, 16, mesh)
+    spec = AttentionSpec(scale=0.25, window=(0, 0))
+    ring = jax.jit(
+        functools.partial(ring_attention_sharded, mesh=mesh, axis_name="sp", sliding_window=0)
+    )
+    out, vjp = jax.vjp(ring, q, k, v)
+    want, ref_vjp = jax.vjp(lambda *a: reference_attention(*a, spec=spec)[0], *_local(q, k, v))
+    _close(out, want)  # each query sees only its own key: out == v
+    _close(out, v)
+    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+        assert np.isfinite(np.asarray(got)).all()
+        _close(got, expected)
+
+
+def test_inside_shard_map_with_explicit_cfg_and_scale(key):
+    mesh = _mesh(4)
+    q, k, v, _ = _inputs(key, 64, 2, 2, 32, mesh)
+    cfg = AttentionConfig(platform="xla", variant="chunked")
+    body = functools.partial(
+        ring_attention, axis_name="sp", causal=True, softmax_scale=0.1, cfg=cfg
+    )
+    spec = P(None, "sp")
+    out = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    )(q, k, v)
+    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=0.1, causal=True))[0]
+    _close(out, want)
+
+
+def _call(mesh, q, k, v, **kw):
+    return ring_attention_sharded(q, k, v, mesh, "sp", **kw)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kw", "match"),
+    [
+        (((1, 16, 2, 8), (1, 16, 2, 8), (1, 16, 2, 4)), {}, "k and v"),
+        (((1, 16, 3, 8), (1, 16, 2, 8), (1, 16, 2, 8)), {}, "kv_heads must divide"),
+        (((1, 16, 2, 8), (1, 8, 2, 8), (1, 8, 2, 8)), {}, "local length"),
+        (((1, 16, 2), (1, 16, 2, 8), (1, 16, 2, 8)), {}, "q.shape"),
+        (((1, 18, 2, 8), (1, 18, 2, 8), (1, 18, 2, 8)), {}, "multiple of the 4 devices"),
+        (((1, 16, 2, 8),) * 3, {"sliding_window": -1}, "sliding_window"),
+        (((1, 16, 2, 8),) * 3, {"sliding_window": "wide"}, "sliding_window"),
+        (((1, 16, 2, 8),) * 3, {"causal": 1}, "causal"),
+        (((1, 16, 2, 8),) * 3, {"softmax_scale": float("nan")}, "softmax_scale"),
+        (((1, 16, 2, 8),) * 3, {"softmax_scale": "big"}, "softmax_scale"),
+        (((1, 16, 2, 8),) * 3, {"cfg": "xla"}, "cfg"),
+        (
+            ((1, 16, 2, 8),) * 3,
+            {"cfg": AttentionConfig(platform="xla", variant="dense")},
+            "variant='dense'",
+        ),
+    ],
+)
+def test_validation(shapes, kw, match):
+    mesh = _mesh(4)
+    q, k, v = (jnp.zeros(s, jnp.float32) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        _call(mesh, q, k, v, **kw)
+
+
+def test_validation_of_axis_and_mesh():
+    mesh = _mesh(4)
+    x = jnp.zeros((1, 16, 2, 8), jnp.float32)
+    with pytest.raises(ValueError, match="axis_name='tp'"):
+        ring_attention_sharded(x, x, x, mesh, "tp")
+    with pytest.raises(ValueError, match="mesh"):
+        ring_attention_sharded(x, x, x, "mesh", "sp")
+    with pytest.raises(ValueError, match="axis_name='sp' is not a mapped axis"):
+        ring_attention(x, x, x, axis_name="sp")
