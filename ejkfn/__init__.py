@@ -72,3 +72,5 @@ from ._vjp import custom_vjp as custom_vjp
 from .attention import AttentionConfig as AttentionConfig
 from .attention import FlashAttention as FlashAttention
 from .attention import flash_attention as flash_attention
+from .attention import ring_attention as ring_attention
+from .attention import ring_attention_sharded as ring_attention_sharded

@@ -50,4 +50,6 @@ from ._api import flash_attention as flash_attention  # noqa: E402
 from ._api import registered_backends as registered_backends  # noqa: E402
 from ._backend import AttentionBackend as AttentionBackend  # noqa: E402
 from ._backend import AttentionShape as AttentionShape  # noqa: E402
+from ._ring import ring_attention as ring_attention  # noqa: E402
+from ._ring import ring_attention_sharded as ring_attention_sharded  # noqa: E402
 from ._spec import AttentionSpec as AttentionSpec  # noqa: E402
