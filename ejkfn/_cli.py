@@ -139,16 +139,10 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _store(args: argparse.Namespace) -> Any:
-    import ejkfn
-
-    return ejkfn.PersistentCache(args.cache_dir)
-
-
 def _cmd_cache(args: argparse.Namespace) -> int:
     import ejkfn
 
-    store = _store(args)
+    store = ejkfn.PersistentCache(args.cache_dir)
     action = args.action
     if action == "path":
         print(store.path)

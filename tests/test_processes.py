@@ -1,21 +1,18 @@
 """Behaviour across processes: persistence, stable keys, and one config everywhere."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests._subprocess import child_env
 
 
 def run_python(code: str, env: dict | None = None, timeout: int = 180) -> str:
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **(env or {})}
-    full_env.pop("XLA_FLAGS", None)
+    full_env = child_env(**(env or {}))
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=full_env,
@@ -68,8 +65,7 @@ def test_concurrent_processes_selecting_and_saving_lose_nothing(tmp_path):
             _, caches = ejkfn.select(inv, caches, tuner=ejkfn.Tuner(warmup=0, iters=1))
             caches = caches.save()
     """
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), str(rank)],
@@ -130,8 +126,7 @@ def test_processes_agree_on_one_config(tmp_path):
         jax.distributed.shutdown()
     """
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), str(r), str(port)],

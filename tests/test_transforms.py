@@ -1,11 +1,9 @@
 """Transforms: custom VJP, mapping with a shared config, labels, recording, offline tuning, compile."""
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -16,10 +14,10 @@ from jax.sharding import PartitionSpec as P
 
 import ejkfn
 from ejkfn.testing import Scale, ScaleCfg
+from tests._subprocess import ROOT, child_env
 
 FAST = ejkfn.Tuner(warmup=0, iters=1)
 HEURISTICS = ejkfn.AutotunePolicy(allow_autotune=False)
-ROOT = Path(__file__).resolve().parents[1]
 X = jnp.arange(32.0).reshape(8, 4)
 
 
@@ -339,8 +337,7 @@ def test_autotune_lowered_with_given_invocations_and_unmatched():
 def test_autotune_lowered_offline_from_json_labels_in_another_process(tmp_path):
     """A program lowered in one process is tuned in another that recorded nothing."""
     text_file = tmp_path / "program.txt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "EJKFN_OPS_STAMP": "json"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(EJKFN_OPS_STAMP="json")
     lower = f"""
         import jax, jax.numpy as jnp
         from tests.test_transforms import two_kernel_program
