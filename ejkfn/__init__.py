@@ -74,3 +74,4 @@ from .attention import FlashAttention as FlashAttention
 from .attention import flash_attention as flash_attention
 from .attention import ring_attention as ring_attention
 from .attention import ring_attention_sharded as ring_attention_sharded
+from .attention import zigzag_order as zigzag_order

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from ejkfn.attention._api import AttentionConfig
 from ejkfn.attention._reference import reference_attention
-from ejkfn.attention._ring import ring_attention, ring_attention_sharded
+from ejkfn.attention._ring import ring_attention, ring_attention_sharded, zigzag_order
 from ejkfn.attention._spec import AttentionSpec
 
 P = PartitionSpec
@@ -99,6 +99,47 @@ def test_window_narrower_than_a_shard(key):
         _close(got, expected)
 
 
+@pytest.mark.parametrize(("n", "heads", "kv_heads"), [(4, 2, 2), (8, 4, 2)])
+def test_zigzag_causal_matches_single_device(key, n, heads, kv_heads):
+    seq, dim = 64, 16
+    mesh = _mesh(n)
+    q, k, v, dout = _inputs(key, seq, heads, kv_heads, dim, mesh)
+    spec = AttentionSpec(scale=dim**-0.5, causal=True)
+    ring = jax.jit(
+        functools.partial(
+            ring_attention_sharded, mesh=mesh, axis_name="sp", causal=True, layout="zigzag"
+        )
+    )
+    out, vjp = jax.vjp(ring, q, k, v)
+    want, ref_vjp = jax.vjp(lambda *a: reference_attention(*a, spec=spec)[0], *_local(q, k, v))
+    _close(out, want)
+    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+        _close(got, expected)
+
+
+def test_zigzag_inside_shard_map_on_data_held_in_that_order(key):
+    mesh = _mesh(4)
+    q, k, v, _ = _inputs(key, 64, 2, 2, 16, mesh)
+    order = zigzag_order(64, 4)
+    body = functools.partial(ring_attention, axis_name="sp", causal=True, layout="zigzag")
+    spec = P(None, "sp")
+    mapped = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    )
+    sharding = NamedSharding(mesh, spec)
+    out = mapped(*(jax.device_put(x[:, order], sharding) for x in _local(q, k, v)))
+    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=0.25, causal=True))[0]
+    _close(out, np.asarray(want)[:, order])
+
+
+def test_zigzag_order():
+    order = zigzag_order(12, 3)
+    assert order.tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
+    assert sorted(order.tolist()) == list(range(12))
+    with pytest.raises(ValueError, match="seq_len=10, devices=3"):
+        zigzag_order(10, 3)
+
+
 def test_inside_shard_map_with_explicit_cfg_and_scale(key):
     mesh = _mesh(4)
     q, k, v, _ = _inputs(key, 64, 2, 2, 32, mesh)
@@ -137,6 +178,15 @@ def _call(mesh, q, k, v, **kw):
             {"cfg": AttentionConfig(platform="xla", variant="dense")},
             "variant='dense'",
         ),
+        (
+            ((1, 16, 2, 8),) * 3,
+            {"cfg": AttentionConfig(platform="cudnn")},
+            "platform='cudnn'",
+        ),
+        (((1, 16, 2, 8),) * 3, {"layout": "spiral"}, "layout"),
+        (((1, 16, 2, 8),) * 3, {"layout": "zigzag"}, "causal=False"),
+        (((1, 16, 2, 8),) * 3, {"layout": "zigzag", "causal": True, "sliding_window": 3}, "zigzag"),
+        (((1, 12, 2, 8),) * 3, {"layout": "zigzag", "causal": True}, "2 x devices"),
     ],
 )
 def test_validation(shapes, kw, match):

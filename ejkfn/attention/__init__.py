@@ -52,4 +52,5 @@ from ._backend import AttentionBackend as AttentionBackend  # noqa: E402
 from ._backend import AttentionShape as AttentionShape  # noqa: E402
 from ._ring import ring_attention as ring_attention  # noqa: E402
 from ._ring import ring_attention_sharded as ring_attention_sharded  # noqa: E402
+from ._ring import zigzag_order as zigzag_order  # noqa: E402
 from ._spec import AttentionSpec as AttentionSpec  # noqa: E402

@@ -58,6 +58,9 @@ class AttentionBackend:
         heuristic: params for a shape, without measuring.
         candidates: params the tuner may try for a shape (already filtered to ones that can work).
         available: whether it can run on this device at all (e.g. cuDNN needs a GPU).
+        bwd_uses_residuals: whether ``bwd`` normalises with the ``out`` and ``lse`` it is given; ring
+            attention passes the whole sequence's, so it needs this (cuDNN and dense XLA recompute
+            their own).
     """
 
     platform: str
@@ -69,6 +72,7 @@ class AttentionBackend:
     heuristic: Callable[[AttentionShape], tuple[FwdParams, BwdParams]]
     candidates: Callable[[AttentionShape], Sequence[tuple[FwdParams, BwdParams]]]
     available: Callable[[], bool] = lambda: True
+    bwd_uses_residuals: bool = True
 
     def check(self, spec: AttentionSpec) -> None:
         """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks."""

@@ -194,6 +194,7 @@ CUDNN = register_backend(
         unsupported=frozenset({"logits_soft_cap", "dropout", "segment_ids"}),
         heuristic=_heuristic,
         candidates=_candidates,
+        bwd_uses_residuals=False,
         available=available,
     )
 )

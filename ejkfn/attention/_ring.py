@@ -36,7 +36,7 @@ from ._api import _AUTO_ORDER, AttentionConfig, _number, _window
 from ._backend import AttentionBackend, AttentionShape, backend_for
 from ._spec import AttentionSpec
 
-__all__ = ["ring_attention", "ring_attention_sharded"]
+__all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order"]
 
 _INF = math.inf
 
@@ -45,12 +45,15 @@ _INF = math.inf
 class _Pair:
     """How to run one (query shard, key shard) pair locally: static slices and a spec, or nothing.
 
-    Queries ``[:q_len]`` attend to keys ``[:k_len]`` under ``spec``; rows past ``q_len`` see nothing.
+    Queries ``[q_start, q_start + q_len)`` attend to keys ``[k_start, k_start + k_len)`` under
+    ``spec``; the other rows see nothing.
     """
 
     q_len: int
     k_len: int
     spec: AttentionSpec | None  # None: the pair sees nothing
+    q_start: int = 0
+    k_start: int = 0
 
 
 def _pair(base: AttentionSpec, length: int, lo: float, hi: float) -> _Pair:
@@ -75,6 +78,53 @@ def _pair(base: AttentionSpec, length: int, lo: float, hi: float) -> _Pair:
     return _Pair(q_len, k_len, spec)
 
 
+def _contiguous_steps(
+    base: AttentionSpec, length: int, n: int
+) -> tuple[tuple[_Pair, _Pair], ...]:
+    """Per step, the pair for devices whose key block lies before theirs and for those that wrapped."""
+    return tuple(
+        (
+            _pair(base, length, *_band(s * length, base.causal, base.window)),
+            _pair(base, length, *_band((s - n) * length, base.causal, base.window)),
+        )
+        for s in range(n)
+    )
+
+
+def _zigzag_steps(base: AttentionSpec, length: int, n: int) -> tuple[tuple[_Pair, _Pair], ...]:
+    """Causal pairs when device ``i`` holds chunks ``i`` and ``2n - 1 - i`` of ``2n`` equal chunks.
+
+    Step 0 is plain causal attention (the two local chunks are in order). Later, a device whose key
+    block came from an earlier device sees only that block's first chunk, with all its queries; one
+    whose block wrapped sees the whole block with its second chunk of queries only. Every device
+    does the same work at every step, which the contiguous layout cannot give causal attention.
+    """
+    half = length // 2
+    full = dataclasses.replace(base, causal=False, window=None)
+    first = _Pair(length, length, base)
+    later = (_Pair(length, half, full), _Pair(half, length, full, q_start=half))
+    return (first, first), *((later,) * (n - 1))
+
+
+def zigzag_order(seq_len: int, devices: int) -> np.ndarray:
+    """Positions in the order the zigzag layout holds them (device ``i``: chunks ``i``, ``2n-1-i``).
+
+    ``x[:, zigzag_order(S, n)]`` lays a sequence out for ``ring_attention(..., layout="zigzag")``
+    over ``n`` devices; ``np.argsort`` of it undoes that.
+
+    >>> zigzag_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    if devices < 1 or seq_len % (2 * devices):
+        raise ValueError(
+            f"the zigzag layout splits the sequence into 2 x devices equal chunks; got "
+            f"seq_len={seq_len}, devices={devices}"
+        )
+    chunk = seq_len // (2 * devices)
+    chunks = [c for i in range(devices) for c in (i, 2 * devices - 1 - i)]
+    return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in chunks])
+
+
 def _band(d: int, causal: bool, window: tuple[int, int] | None) -> tuple[float, float]:
     """Visible keys relative to the query row for key positions ``d`` before the queries."""
     lo, hi = -_INF, _INF
@@ -85,11 +135,12 @@ def _band(d: int, causal: bool, window: tuple[int, int] | None) -> tuple[float, 
     return lo, hi
 
 
-def _pad_rows(x: jax.Array, size: int, axis: int, value: Any = 0) -> jax.Array:
+def _pad_rows(x: jax.Array, start: int, size: int, axis: int, value: Any = 0) -> jax.Array:
+    """``x`` placed at ``start`` of ``size`` rows along ``axis``, the rest filled with ``value``."""
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
+    widths[axis] = (start, size - start - x.shape[axis])
     return jnp.pad(x, widths, constant_values=value)
 
 
@@ -110,13 +161,14 @@ class _Local:
                 jnp.zeros((batch, length, heads, dim), jnp.float32),
                 jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
             )
+        qs, ks = pair.q_start, pair.k_start
         out, lse = self.backend.fwd(
-            q[:, : pair.q_len], k[:, : pair.k_len], v[:, : pair.k_len],
+            q[:, qs : qs + pair.q_len], k[:, ks : ks + pair.k_len], v[:, ks : ks + pair.k_len],
             None, None, None, None, None,
             spec=pair.spec, params=self.fwd_params, interpret=self.interpret,
         )  # fmt: skip
-        out = _pad_rows(out.astype(jnp.float32), length, 1)
-        lse = _pad_rows(lse.astype(jnp.float32), length, 2, -jnp.inf)
+        out = _pad_rows(out.astype(jnp.float32), qs, length, 1)
+        lse = _pad_rows(lse.astype(jnp.float32), qs, length, 2, -jnp.inf)
         return out, lse
 
     def bwd(
@@ -133,18 +185,19 @@ class _Local:
         if pair.spec is None:
             zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
             return zeros(q.shape), zeros(k.shape), zeros(v.shape)
-        nq, nk = pair.q_len, pair.k_len
+        rows = slice(pair.q_start, pair.q_start + pair.q_len)
+        keys = slice(pair.k_start, pair.k_start + pair.k_len)
         dq, dk, dv, _ = self.backend.bwd(
-            q[:, :nq], k[:, :nk], v[:, :nk],
+            q[:, rows], k[:, keys], v[:, keys],
             None, None, None, None, None,
-            out[:, :nq], lse[:, :, :nq], dout[:, :nq],
+            out[:, rows], lse[:, :, rows], dout[:, rows],
             spec=pair.spec, params=self.bwd_params, interpret=self.interpret,
         )  # fmt: skip
         length = q.shape[1]
         return (
-            _pad_rows(dq.astype(jnp.float32), length, 1),
-            _pad_rows(dk.astype(jnp.float32), length, 1),
-            _pad_rows(dv.astype(jnp.float32), length, 1),
+            _pad_rows(dq.astype(jnp.float32), pair.q_start, length, 1),
+            _pad_rows(dk.astype(jnp.float32), pair.k_start, length, 1),
+            _pad_rows(dv.astype(jnp.float32), pair.k_start, length, 1),
         )
 
 
@@ -173,12 +226,12 @@ def _choose(
     else:
         backend = _backend_for_platform(platform, base)
         params = backend.heuristic(shape)
-    if backend.variant == "dense":
-        # Its backward normalises with the local row sums, not the global out . dout that a ring
-        # needs; the chunked variant computes the same numbers blockwise and is exact here.
+    if not backend.bwd_uses_residuals:
+        # Its backward normalises with its own row sums, not the whole sequence's out and lse that
+        # a ring passes in; on xla the chunked variant computes the same numbers blockwise.
         raise ValueError(
-            "ring_attention needs a backend whose backward uses the saved out and lse; "
-            f"got cfg.variant={backend.variant!r} (use 'chunked' on xla)"
+            "ring_attention needs a backend whose backward uses the saved out and lse; got "
+            f"platform={backend.platform!r} variant={backend.variant!r} (on xla use 'chunked')"
         )
     # Pairs may need causal or window masks even when the call has neither.
     needed = dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
@@ -199,7 +252,7 @@ def _backend_for_platform(platform: str, base: AttentionSpec) -> AttentionBacken
     order = list(_AUTO_ORDER.get(kind, ()))
     for name in order:
         for backend in _backend._variants.get(name, {}).values():
-            if backend.variant == "dense" or kind not in backend.devices:
+            if not backend.bwd_uses_residuals or kind not in backend.devices:
                 continue
             if not backend.available() or needed.features & backend.unsupported:
                 continue
@@ -227,6 +280,7 @@ def ring_attention(
     softmax_scale: Any = None,
     platform: Any = "auto",
     cfg: Any = None,
+    layout: Any = "contiguous",
 ) -> jax.Array:
     """Self-attention over a sequence sharded along ``axis_name``, computed around a ring of devices.
 
@@ -246,6 +300,11 @@ def ring_attention(
         platform: the local backend's platform, ``"auto"`` (the device's best that supports the
             call) or a registered one; XLA uses its chunked variant.
         cfg: an explicit :class:`ejkfn.attention.AttentionConfig` for the local backend (static).
+        layout: ``"contiguous"`` (device ``i`` holds the ``i``-th of ``n`` equal slices) or, for causal
+            attention without a window, ``"zigzag"``: the sequence is cut into ``2n`` chunks and
+            device ``i`` holds chunks ``i`` then ``2n - 1 - i`` (lay data out with
+            :func:`zigzag_order`). Contiguous causal attention leaves the first device nearly idle;
+            zigzag gives every device the same work at every step.
 
     Returns:
         ``[batch, seq_local, heads, dim]``, like ``q``.
@@ -285,6 +344,8 @@ def ring_attention(
         raise ValueError(f"causal must be a bool; got causal={causal!r}")
     if not isinstance(platform, str):
         raise ValueError(f"platform must be a str; got platform={platform!r}")
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag'; got layout={layout!r}")
     if cfg is not None:
         if not isinstance(cfg, AttentionConfig):
             raise ValueError(f"cfg must be an AttentionConfig or None; got cfg={cfg!r}")
@@ -306,16 +367,17 @@ def ring_attention(
             f"axis_name={axis_name!r} is not a mapped axis here; call ring_attention inside "
             "jax.shard_map over that mesh axis"
         ) from exc
+    if layout == "zigzag" and (not causal or window is not None or length % 2):
+        raise ValueError(
+            "layout='zigzag' balances causal attention without a sliding window over an even local "
+            f"length; got causal={causal!r}, sliding_window={sliding_window!r}, seq_local={length}"
+        )
     base = AttentionSpec(scale=scale, causal=bool(causal), window=window)
     local = _choose(platform, cfg, base, AttentionShape.of(q, k, base))
-    # Per step, the pair for devices whose key block lies before theirs and for those that wrapped.
-    steps = tuple(
-        (
-            _pair(base, length, *_band(s * length, base.causal, window)),
-            _pair(base, length, *_band((s - n) * length, base.causal, window)),
-        )
-        for s in range(n)
-    )
+    if layout == "zigzag":
+        steps = _zigzag_steps(base, length, n)
+    else:
+        steps = _contiguous_steps(base, length, n)
     return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local)
 
 
@@ -385,6 +447,42 @@ def _ring(
     return attend(q, k, v)
 
 
+def _zigzag_moves(n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where device ``i``'s contiguous chunks ``2i`` and ``2i + 1`` live in the zigzag layout."""
+
+    def home(chunk: int) -> int:
+        return chunk if chunk < n else 2 * n - 1 - chunk
+
+    return [(i, home(2 * i)) for i in range(n)], [(i, home(2 * i + 1)) for i in range(n)]
+
+
+def _to_zigzag(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    """Local slices of the contiguous layout to the zigzag layout (inside ``shard_map``)."""
+    half = x.shape[1] // 2
+    evens, odds = _zigzag_moves(n)
+    got_even = lax.ppermute(x[:, :half], axis_name, evens)
+    got_odd = lax.ppermute(x[:, half:], axis_name, odds)
+    # Device j holds chunks j and 2n - 1 - j: one even, one odd, the even one first when j is even.
+    even_first = lax.rem(lax.axis_index(axis_name), 2) == 0
+    first = jnp.where(even_first, got_even, got_odd)
+    second = jnp.where(even_first, got_odd, got_even)
+    return jnp.concatenate([first, second], axis=1)
+
+
+def _from_zigzag(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    """The inverse of :func:`_to_zigzag`."""
+    half = x.shape[1] // 2
+    evens, odds = _zigzag_moves(n)
+    even_first = lax.rem(lax.axis_index(axis_name), 2) == 0
+    first, second = x[:, :half], x[:, half:]
+    even = jnp.where(even_first, first, second)
+    odd = jnp.where(even_first, second, first)
+    back = [(dst, src) for src, dst in evens], [(dst, src) for src, dst in odds]
+    even = lax.ppermute(even, axis_name, back[0])
+    odd = lax.ppermute(odd, axis_name, back[1])
+    return jnp.concatenate([even, odd], axis=1)
+
+
 def ring_attention_sharded(
     q: jax.Array,
     k: jax.Array,
@@ -396,7 +494,9 @@ def ring_attention_sharded(
     """:func:`ring_attention` on arrays of the global shape: shards the sequence over ``axis_name``.
 
     ``kwargs`` go to :func:`ring_attention`. Inputs are placed with ``PartitionSpec(None, axis_name)``
-    (a no-op when they already are); the output is sharded the same way.
+    (a no-op when they already are); the output is sharded the same way. With ``layout="zigzag"``
+    the sequence is moved into that layout first and the output back (two ``ppermute`` steps each;
+    callers that keep their data in zigzag order call :func:`ring_attention` directly).
     """
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh must be a jax.sharding.Mesh; got mesh={mesh!r}")
@@ -409,8 +509,18 @@ def ring_attention_sharded(
             raise ValueError(
                 f"{name}.shape[1]={x.shape[1]} must be a multiple of the {n} devices on {axis_name!r}"
             )
+    if kwargs.get("layout") == "zigzag":
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            zigzag_order(x.shape[1], n)  # raises if the sequence does not split into 2n chunks
     spec = PartitionSpec(None, axis_name)
-    body = functools.partial(ring_attention, axis_name=axis_name, **kwargs)
+
+    def body(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        if kwargs.get("layout") != "zigzag":
+            return ring_attention(q, k, v, axis_name=axis_name, **kwargs)
+        q, k, v = (_to_zigzag(x, axis_name, n) for x in (q, k, v))
+        out = ring_attention(q, k, v, axis_name=axis_name, **kwargs)
+        return _from_zigzag(out, axis_name, n)
+
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
     )

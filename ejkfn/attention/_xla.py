@@ -559,6 +559,7 @@ DENSE = register_backend(
         bwd=_exact_f32(_dense_bwd),
         heuristic=_dense_heuristic,
         candidates=_dense_candidates,
+        bwd_uses_residuals=False,
     )
 )
 
