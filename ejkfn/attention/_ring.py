@@ -78,9 +78,7 @@ def _pair(base: AttentionSpec, length: int, lo: float, hi: float) -> _Pair:
     return _Pair(q_len, k_len, spec)
 
 
-def _contiguous_steps(
-    base: AttentionSpec, length: int, n: int
-) -> tuple[tuple[_Pair, _Pair], ...]:
+def _contiguous_steps(base: AttentionSpec, length: int, n: int) -> tuple[tuple[_Pair, _Pair], ...]:
     """Per step, the pair for devices whose key block lies before theirs and for those that wrapped."""
     return tuple(
         (
@@ -510,8 +508,7 @@ def ring_attention_sharded(
                 f"{name}.shape[1]={x.shape[1]} must be a multiple of the {n} devices on {axis_name!r}"
             )
     if kwargs.get("layout") == "zigzag":
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            zigzag_order(x.shape[1], n)  # raises if the sequence does not split into 2n chunks
+        zigzag_order(q.shape[1], n)  # raises if the sequence does not split into 2n chunks
     spec = PartitionSpec(None, axis_name)
 
     def body(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
