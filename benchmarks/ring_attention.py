@@ -1,0 +1,294 @@
+"""Ring attention over several GPUs, one process per GPU: correctness against one GPU, then throughput.
+
+The launcher starts ``--processes`` workers of this script, joined by ``jax.distributed.initialize``
+(one local GPU each). For every sequence length and mask, each worker
+
+1. builds the same random bf16 ``q, k, v, do`` of the whole sequence on its own GPU (same seed in
+   every process) and keeps its shard of the sequence: contiguous slices, or the zigzag layout for
+   causal attention (:func:`ejkfn.zigzag_order`);
+2. runs :func:`ejkfn.ring_attention` inside ``jax.shard_map`` over the global mesh, forward and
+   forward+backward, and compares its shard of the output and gradients with the single-GPU
+   :func:`ejkfn.flash_attention` of the whole sequence (same local backend and config);
+3. times the ring and, on its own GPU alone, the same kernel at the per-device sequence length;
+   also the ring's communication alone (the key/value blocks sent around the ring, no compute).
+
+Per-GPU throughput of the ring is its FLOPs divided by the time and by the number of GPUs; the ratio
+is that over the single-GPU kernel's TFLOP/s at the per-device length. Process 0 prints the table and
+writes JSON to ``--out``.
+
+Usage: ``python benchmarks/ring_attention.py [--processes 2] [--seqs 32768,65536] [--out DIR]``.
+On a CPU, ``--cpu-smoke`` runs one process over two host devices at a small size (a check of the
+script, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from attention import device_info, median_ms, rel_err
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import ejkfn
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+
+AXIS = "sp"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--processes", type=int, default=2, help="one per GPU")
+    p.add_argument("--seqs", default="32768,65536", help="whole-sequence lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: heads")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--causal", default="false,true", help="which masks to run")
+    p.add_argument("--platform", default="pallas", help="the local backend's platform")
+    p.add_argument("--variant", default=None, help="its variant (default: the platform's first)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: argparse.Namespace) -> int:
+    port = free_port()
+    env = dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], "--worker", str(i), "--port", str(port)],
+            env=env,
+        )
+        for i in range(args.processes)
+    ]
+    codes = [w.wait() for w in workers]
+    if any(codes):
+        print(f"workers exited with {codes}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# --- one worker ----------------------------------------------------------------------------------
+
+
+def flops(batch: int, heads: int, seq: int, dim: int, causal: bool, backward: bool) -> float:
+    f = 4.0 * batch * heads * seq * seq * dim / (2 if causal else 1)
+    return f * 3.5 if backward else f
+
+
+def local_cfg(args: argparse.Namespace, seq_local: int, causal: bool) -> AttentionConfig:
+    """The config both the ring and the single-GPU baseline run: the backend's heuristic one."""
+    matches = [
+        b
+        for b in registered_backends()
+        if b.platform == args.platform and (args.variant in (None, b.variant)) and b.available()
+    ]
+    matches = [b for b in matches if ejkfn.device_kind() in b.devices and b.bwd_uses_residuals]
+    if not matches:
+        raise SystemExit(
+            f"no usable backend for --platform {args.platform} --variant {args.variant}"
+        )
+    backend = matches[0]
+    kv_heads = args.kv_heads or args.heads
+    q = jax.ShapeDtypeStruct((args.batch, seq_local, args.heads, args.dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((args.batch, seq_local, kv_heads, args.dim), jnp.bfloat16)
+    spec = AttentionSpec(scale=args.dim**-0.5, causal=causal)
+    fwd, bwd = backend.heuristic(AttentionShape.of(q, k, spec))
+    return AttentionConfig(platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd)
+
+
+def fwd_bwd(fn: Any) -> Any:
+    def run(q, k, v, do):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, *vjp(do)
+
+    return run
+
+
+def worker(args: argparse.Namespace) -> None:
+    if not args.cpu_smoke:
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=args.processes,
+            process_id=args.worker,
+            local_device_ids=[args.worker],
+        )
+    devices = jax.devices()
+    n = len(devices)
+    mine = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    local_device = devices[mine[0]]
+    mesh = Mesh(np.array(devices), (AXIS,))
+    seq_spec = PartitionSpec(None, AXIS)
+    sharding = NamedSharding(mesh, seq_spec)
+    kv_heads = args.kv_heads or args.heads
+    rows: list[dict[str, Any]] = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        for causal in [c.strip() == "true" for c in args.causal.split(",")]:
+            rows.append(
+                one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
+            )
+            if jax.process_index() == 0:
+                print(json.dumps(rows[-1]), flush=True)
+    if jax.process_index() == 0:
+        report(args, rows, n)
+
+
+def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
+    seq_local = seq // n
+    layout = "zigzag" if causal else "contiguous"
+    order = ejkfn.zigzag_order(seq, n) if causal else np.arange(seq)
+    cfg = local_cfg(args, seq_local, causal)
+    b, h, d = args.batch, args.heads, args.dim
+    with jax.default_device(local_device):
+        keys = jax.random.split(jax.random.key(seq + causal), 4)
+        whole = (
+            jax.random.normal(keys[0], (b, seq, h, d), jnp.bfloat16),
+            jax.random.normal(keys[1], (b, seq, kv_heads, d), jnp.bfloat16),
+            jax.random.normal(keys[2], (b, seq, kv_heads, d), jnp.bfloat16),
+            jax.random.normal(keys[3], (b, seq, h, d), jnp.bfloat16),
+        )
+        shard_rows = {i: jnp.asarray(order[i * seq_local : (i + 1) * seq_local]) for i in mine}
+
+        def shards(x: jax.Array) -> jax.Array:
+            pieces = [jax.device_put(x[:, shard_rows[i]], mesh.devices[i]) for i in mine]
+            return jax.make_array_from_single_device_arrays(x.shape, sharding, pieces)
+
+        q, k, v, do = (shards(x) for x in whole)
+
+        single = functools.partial(ejkfn.flash_attention, causal=causal, cfg=cfg)
+        ring = jax.shard_map(
+            functools.partial(
+                ejkfn.ring_attention, axis_name=AXIS, causal=causal, cfg=cfg, layout=layout
+            ),
+            mesh=mesh,
+            in_specs=(PartitionSpec(None, AXIS),) * 3,
+            out_specs=PartitionSpec(None, AXIS),
+            check_vma=False,
+        )
+        ring_fwd, ring_both = jax.jit(ring), jax.jit(fwd_bwd(ring))
+
+        # Correctness: this process's shard of the ring against the single-GPU call of the whole.
+        got = [np.asarray(x.addressable_shards[0].data) for x in ring_both(q, k, v, do)]
+        want = jax.jit(fwd_bwd(single))(*whole)
+        rows0 = np.asarray(shard_rows[mine[0]])
+        errors = {
+            name: rel_err(g, np.asarray(w)[:, rows0])
+            for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+        }
+        del want
+
+        # The ring's communication alone: the same blocks travel n - 1 steps.
+        def shift_only(k: jax.Array, v: jax.Array) -> jax.Array:
+            perm = [(i, (i + 1) % n) for i in range(n)]
+            acc = jnp.zeros((), jnp.float32)
+            for _ in range(n - 1):
+                k, v = jax.lax.ppermute(k, AXIS, perm), jax.lax.ppermute(v, AXIS, perm)
+                acc = acc + k[0, 0, 0, 0].astype(jnp.float32) + v[0, 0, 0, 0].astype(jnp.float32)
+            return acc[None]
+
+        comm = jax.jit(
+            jax.shard_map(
+                shift_only,
+                mesh=mesh,
+                in_specs=(PartitionSpec(None, AXIS),) * 2,
+                out_specs=PartitionSpec(AXIS),
+                check_vma=False,
+            )
+        )
+        timings = {
+            "ring_fwd_ms": median_ms(ring_fwd, [(q, k, v)], 2, args.iters),
+            "ring_fwd_bwd_ms": median_ms(ring_both, [(q, k, v, do)], 2, args.iters),
+            "ring_comm_ms": median_ms(comm, [(k, v)], 2, args.iters),
+        }
+        local = [x[:, :seq_local] for x in whole]
+        timings["single_fwd_ms"] = median_ms(jax.jit(single), [tuple(local[:3])], 2, args.iters)
+        timings["single_fwd_bwd_ms"] = median_ms(
+            jax.jit(fwd_bwd(single)), [tuple(local)], 2, args.iters
+        )
+    row: dict[str, Any] = {
+        "seq": seq,
+        "seq_local": seq_local,
+        "devices": n,
+        "batch": b,
+        "heads": h,
+        "kv_heads": kv_heads,
+        "dim": d,
+        "causal": causal,
+        "layout": layout,
+        "cfg": repr(cfg),
+        "rel_err": errors,
+        **timings,
+    }
+    for part, backward in (("fwd", False), ("fwd_bwd", True)):
+        ring_tf = flops(b, h, seq, d, causal, backward) / (row[f"ring_{part}_ms"] * 1e-3) / 1e12
+        single_tf = flops(b, h, seq_local, d, causal, backward) / (row[f"single_{part}_ms"] * 1e-3)
+        row[f"ring_{part}_tflops_per_gpu"] = ring_tf / n
+        row[f"single_{part}_tflops"] = single_tf / 1e12
+        row[f"ratio_{part}"] = row[f"ring_{part}_tflops_per_gpu"] / row[f"single_{part}_tflops"]
+    return row
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], n: int) -> None:
+    info = device_info()
+    print(f"\nring attention over {n} x {info.get('device_kind')} ({info.get('nvidia_smi', '')})")
+    header = (
+        "| seq (per GPU) | mask | max rel err | fwd TFLOP/s/GPU ring / single (ratio) "
+        "| fwd+bwd ring / single (ratio) | ring comm alone ms / ring fwd ms |"
+    )
+    print(header)
+    print("|" + "---|" * 6)
+    for r in rows:
+        mask = "causal (zigzag)" if r["causal"] else "none"
+        err = max(r["rel_err"].values())
+        print(
+            f"| {r['seq']} ({r['seq_local']}) | {mask} | {err:.1e} "
+            f"| {r['ring_fwd_tflops_per_gpu']:.0f} / {r['single_fwd_tflops']:.0f} "
+            f"({r['ratio_fwd']:.2f}) "
+            f"| {r['ring_fwd_bwd_tflops_per_gpu']:.0f} / {r['single_fwd_bwd_tflops']:.0f} "
+            f"({r['ratio_fwd_bwd']:.2f}) "
+            f"| {r['ring_comm_ms']:.2f} / {r['ring_fwd_ms']:.2f} |"
+        )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = str(info.get("device_kind", "device")).replace(" ", "_")
+    path = out / f"ring_attention_{n}x{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"device": info, "args": vars(args), "rows": rows}, indent=1))
+    print(f"saved {path}")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.worker is None and not args.cpu_smoke:
+        return launch(args)
+    worker(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
