@@ -72,12 +72,23 @@ class FwdParams(_Validated):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class BwdParams(_Validated):
-    """Block sizes and launch parameters of a backward pass."""
+    """Block sizes and launch parameters of a backward pass.
+
+    ``variant`` names the backward kernels where a backend has more than one (Pallas Mosaic on
+    Hopper: ``"mosaic"`` for its own kernels; ``None``, the default that older configs keep, for the
+    Triton-lowering ones); backends with a single backward ignore it.
+    """
 
     q_blocksize: int = 64
     kv_blocksize: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    variant: str | None = None
+
+    def __post_init__(self) -> None:
+        super(BwdParams, self).__post_init__()
+        if self.variant is not None and not (isinstance(self.variant, str) and self.variant):
+            raise ValueError(f"variant={self.variant!r} must be None or a non-empty str")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

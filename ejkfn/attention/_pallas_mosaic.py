@@ -16,8 +16,10 @@ but takes wgmma operands only from shared memory and cannot run ``pl.run_state``
 there P goes through shared memory and P @ V is added in registers (``_Geom.fused_pv``), the rest of
 the kernel (pipeline, barriers, masking, bounds) being the code that runs on the GPU.
 
-The backward pass reuses the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without
-atomics); the ``lse`` this forward writes is the same natural-log residual they expect.
+Two backward passes take the natural-log ``lse`` this forward writes, chosen by ``BwdParams.variant``:
+``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd` (FlashAttention 3's split, head dims
+up to 128), or ``None``, the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without
+atomics, every head dim). The heuristic takes the Mosaic one where it can; the tuner tries both.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -38,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
-from . import _pallas_gpu
+from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._spec import AttentionSpec
 
@@ -400,9 +402,23 @@ def bwd(
     params: BwdParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Backward pass through the Triton-lowering kernels of :mod:`._pallas_gpu` (same features)."""
+    """Backward pass: ``(dq, dk, dv, None)``.
+
+    ``params.variant == "mosaic"`` runs the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
+    (``NotImplementedError`` for head dims above 128); otherwise the Triton-lowering ones of
+    :mod:`._pallas_gpu`.
+    """
     _refuse(spec, q, k)
     params = params or heuristic(AttentionShape.of(q, k, spec))[1]
+    if params.variant == _pallas_mosaic_bwd.VARIANT:
+        dq, dk, dv = _pallas_mosaic_bwd.bwd(
+            q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
+        )
+        return dq, dk, dv, None
+    if params.variant is not None:
+        raise ValueError(
+            f"BwdParams.variant={params.variant!r} must be {_pallas_mosaic_bwd.VARIANT!r} or None"
+        )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,
         spec=spec, params=params, interpret=interpret,
@@ -413,8 +429,24 @@ def _smem_bytes(d: int, bk: int, slots: int) -> int:
     return 2 * (CTA_ROWS * d + 2 * slots * bk * d) + CTA_ROWS * 4
 
 
+def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
+    """FlashAttention 3's tiles (64 query x 128 key rows at D = 128, 128 x 128 below), or None
+    where the Mosaic backward cannot take the head dim."""
+    d = _padded_head_dim(shape.head_dim)
+    bq = 128 if d <= 64 else 64
+    bp = BwdParams(
+        q_blocksize=bq,
+        kv_blocksize=128,
+        num_warps=12,
+        num_stages=2,
+        variant=_pallas_mosaic_bwd.VARIANT,
+    )
+    return bp if _pallas_mosaic_bwd.supports(shape.head_dim, bp) else None
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    """128-row query tiles; the largest key block and ring that fit shared memory.
+    """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
+    backward where it takes the head dim (up to 128), else the Triton-lowering one.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json).
@@ -422,11 +454,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (128, 3) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
-    return fp, _pallas_gpu.heuristic(shape)[1]
+    return fp, _mosaic_bwd(shape) or _pallas_gpu.heuristic(shape)[1]
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
-    """Key blocks and ring depths that fit shared memory, with the Triton backward's candidates."""
+    """Key blocks and ring depths that fit shared memory; backward: Mosaic blocks (64 or 128 key rows
+    per CTA, 2 or 3 stages) where the head dim allows, and the Triton-lowering candidates."""
     d = _padded_head_dim(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]
@@ -440,7 +473,16 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 and (fp, heur[1]) not in out
             ):
                 out.append((fp, heur[1]))
-    for _, bp in _pallas_gpu.candidates(shape):
+    bwds: list[BwdParams] = []
+    base = _mosaic_bwd(shape)
+    if base is not None:
+        for key_rows in (64, 128):
+            for stages in (2, 3):
+                bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
+                if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
+                    bwds.append(bp)
+    bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
+    for bp in bwds:
         if (heur[0], bp) not in out:
             out.append((heur[0], bp))
     return out

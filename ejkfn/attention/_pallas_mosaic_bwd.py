@@ -1,0 +1,571 @@
+"""Flash attention backward in Pallas Mosaic GPU for Hopper (``BwdParams(variant="mosaic")``).
+
+FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` in XLA:
+
+* dK/dV: one CTA per (key tile, kv head, batch). Each compute warpgroup keeps 64 key rows of K and V
+  in shared memory (``kv_blocksize`` 64 or 128: one or two warpgroups); a memory warpgroup streams
+  blocks of ``q_blocksize`` query rows (Q, dO, lse, delta) with TMA through a ring of
+  ``num_stages`` slots. Per block a warpgroup issues S^T = K Q^T and dP^T = V dO^T together (one
+  wait), forms P^T and dS^T = P^T (dP^T - delta) in registers, then dV += P^T dO and dK += dS^T Q.
+  The query heads of a GQA group follow one another in the same stream, so the group's sum stays in
+  the accumulators.
+* dQ: one CTA per (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
+  the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K.
+
+Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal.
+Warpgroups of one CTA share the stream, so a warpgroup acknowledges the blocks only its neighbour
+needs (it waits for each copy and releases the slot) and barrier phases stay in step. Sequences are
+padded to whole tiles: padded query rows get lse = +inf, hence P = 0; padded keys are masked in the
+dQ kernel (in dK/dV they only reach their own rows, which are cut off).
+
+Registers bound the head dim: a dK/dV warpgroup holds two 64 x D float32 accumulators (128 registers
+per thread at D = 128) besides S^T and dP^T, so the head dim, padded to 64, may be at most 128.
+Larger ones raise ``NotImplementedError``; the backend's heuristic keeps the Triton-lowering backward
+for them.
+
+On a CPU the kernels run in Mosaic GPU's interpreter, which takes wgmma operands only from shared
+memory and no accumulators through ``pl.run_state``: there P^T, dS^T and dS are stored to shared
+memory and each product is added to its accumulator in registers (``_Geom.registers_a`` off). The
+rest (ring, barriers, masking, bounds) is the code that runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .._registry import BwdParams
+from ._spec import AttentionSpec
+
+__all__ = ["MAX_HEAD_DIM", "VARIANT", "bwd", "supports"]
+
+VARIANT = "mosaic"
+LOG2E = math.log2(math.e)
+WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
+Q_TILE_WGS = 2  # compute warpgroups of the dQ kernel
+MAX_HEAD_DIM = 128
+BLOCKS = (64, 128)
+# Hopper's shared memory per block (227 KiB) less what Mosaic adds (barriers, scratch), as forward.
+_SMEM_LIMIT = 232448 - 4096
+_TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# Compute warpgroups get most of the register file; the memory warpgroup only issues copies.
+_COMPUTE_REGISTERS = 240
+_MEMORY_REGISTERS = 24
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
+    return 2 * 2 * key_rows * d + slots * (2 * 2 * bq * d + 2 * 4 * bq)
+
+
+def _dq_smem_bytes(d: int, bk: int, slots: int) -> int:
+    rows = Q_TILE_WGS * WG_ROWS
+    return 2 * 2 * rows * d + 2 * 4 * rows + slots * 2 * 2 * bk * d
+
+
+def _ring(num_stages: int, fits: Any) -> int:
+    """The deepest ring of at most ``num_stages`` (at least 2) slots that fits shared memory."""
+    for slots in range(max(2, num_stages), 1, -1):
+        if fits(slots):
+            return slots
+    return 0
+
+
+def supports(head_dim: int, params: BwdParams) -> bool:
+    """Whether both kernels fit shared memory (and registers) with rings of at least two slots."""
+    d = _cdiv(head_dim, 64) * 64
+    if d > MAX_HEAD_DIM:
+        return False
+    if params.kv_blocksize not in BLOCKS or params.q_blocksize not in BLOCKS:
+        return False
+    kv = _ring(
+        2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= _SMEM_LIMIT
+    )
+    dq = _ring(2, lambda s: _dq_smem_bytes(d, params.kv_blocksize, s) <= _SMEM_LIMIT)
+    return bool(kv and dq)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    causal: bool
+    scale: float
+    seq_q: int
+    seq_k: int
+    group: int
+    dpad: int
+    bq: int  # query rows of a block the dK/dV kernel streams
+    bk: int  # key rows of a block the dQ kernel streams
+    key_wgs: int  # compute warpgroups of the dK/dV kernel, 64 key rows each
+    kv_slots: int  # ring depth of the dK/dV kernel
+    q_slots: int  # ring depth of the dQ kernel
+    registers_a: bool = True
+
+    @property
+    def offset(self) -> int:
+        """Key position of query row 0 on the causal diagonal (bottom-right alignment)."""
+        return self.seq_k - self.seq_q
+
+    @property
+    def key_rows(self) -> int:
+        return self.key_wgs * WG_ROWS
+
+    @property
+    def q_blocks(self) -> int:
+        return _cdiv(self.seq_q, self.bq)
+
+    @property
+    def sqp(self) -> int:
+        return _cdiv(self.seq_q, Q_TILE_WGS * WG_ROWS) * Q_TILE_WGS * WG_ROWS
+
+    @property
+    def skp(self) -> int:
+        tile = max(self.key_rows, self.bk)
+        return _cdiv(self.seq_k, tile) * tile
+
+    # dK/dV: which query blocks the keys from ``key`` on see.
+
+    def first_q_block(self, key: Any) -> Any:
+        """The first query block that sees key ``key``."""
+        if not self.causal:
+            return jnp.int32(0)
+        first_row = jnp.maximum(key - self.offset, 0)
+        return jnp.minimum(lax.div(first_row, self.bq), self.q_blocks)
+
+    def first_full_q_block(self, key: Any, first: Any) -> Any:
+        """The first query block (from ``first`` on) whose every row sees all 64 keys from ``key``."""
+        if not self.causal:
+            return first
+        row = jnp.maximum(key + (WG_ROWS - 1) - self.offset, 0)
+        full = lax.div(row + (self.bq - 1), self.bq)
+        return jnp.clip(full, first, self.q_blocks)
+
+    # dQ: which key blocks the query rows up to / from a row see (as the forward).
+
+    def kv_steps(self, last_row: Any) -> Any:
+        last = jnp.int32(self.seq_k - 1)
+        if self.causal:
+            last = jnp.minimum(last, jnp.minimum(last_row, self.seq_q - 1) + self.offset)
+        return lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+
+    def full_kv_steps(self, first_row: Any, steps: Any) -> Any:
+        last = jnp.int32(self.seq_k - 1)
+        if self.causal:
+            last = jnp.minimum(last, first_row + self.offset)
+        return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), self.bk), steps)
+
+
+def _acc(rows: int, cols: int) -> Any:
+    return plgpu.layout_cast(jnp.full((rows, cols), 0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _iota(shape: tuple[int, int], dim: int) -> Any:
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _two_products(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple[Any, Any]:
+    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once."""
+
+    def both(acc0: Any, acc1: Any) -> tuple[Any, Any]:
+        plgpu.wgmma(acc0, a0, b0)
+        plgpu.wgmma(acc1, a1, b1)
+        return acc0[...], acc1[...]
+
+    acc = plgpu.ACC(shape, jnp.float32)
+    return pl.run_scoped(both, acc, acc)
+
+
+def _accumulate(
+    g: _Geom, accs: tuple[Any, ...], lhs: tuple[Any, ...], rhs: tuple[Any, ...], staging: Any
+) -> tuple[Any, ...]:
+    """``accs[i] += lhs[i] @ rhs[i]``: ``lhs`` in registers, ``rhs`` in shared memory.
+
+    On the GPU the left operands go to wgmma from registers, onto the accumulators themselves. The
+    interpreter takes operands only from shared memory: there each left operand is stored to
+    ``staging[i]`` and the products are added in registers.
+    """
+    if g.registers_a:
+
+        def run(refs: Any) -> None:
+            for acc_ref, a, b in zip(refs, lhs, rhs, strict=True):
+                plgpu.wgmma(acc_ref, a, b)
+
+        return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(a) for a in accs)))
+    for i, a in enumerate(lhs):
+        staging[i][...] = a
+    plgpu.commit_smem()
+
+    def products(*refs: Any) -> tuple[Any, ...]:
+        for i, (acc_ref, b) in enumerate(zip(refs, rhs, strict=True)):
+            plgpu.wgmma(acc_ref, staging[i], b)
+        return tuple(r[...] for r in refs)
+
+    shapes = [plgpu.ACC(a.shape, jnp.float32) for a in accs]
+    return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
+
+
+def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
+    for barrier in barriers:
+        plgpu.barrier_wait(barrier.at[slot])
+
+
+def _dkdv_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem, ready, consumed, *, g
+) -> None:
+    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *staging = smem
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready = ready
+    ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
+    b = lax.axis_index("batch")
+    kvh = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile_base = lax.axis_index("k_tiles") * g.key_rows
+    first = g.first_q_block(tile_base)
+    per_head = g.q_blocks - first  # query blocks streamed for each head of the group
+    total = per_head * g.group
+    bq, slots, dtype = g.bq, g.kv_slots, q_ref.dtype
+
+    @pl.when(wg < g.key_wgs)
+    def _compute() -> None:
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        key_base = tile_base + wg * WG_ROWS
+        keys = (b, pl.ds(key_base, WG_ROWS), kvh)
+        k_own, v_own = k_smem.at[wg], v_smem.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_own, k_ready.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
+        own_first = g.first_q_block(key_base)
+        own_full = g.first_full_q_block(key_base, own_first)
+        plgpu.barrier_wait(k_ready.at[wg])
+        plgpu.barrier_wait(v_ready.at[wg])
+        shape = (WG_ROWS, bq)
+
+        def step(qb: Any, carry: Any, base: Any, masked: bool) -> Any:
+            dk, dv = carry
+            slot = lax.rem(base + qb, jnp.int32(slots))
+            q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
+            plgpu.barrier_wait(q_ready.at[slot])
+            plgpu.barrier_wait(do_ready.at[slot])
+            s_t, dp_t = _two_products(
+                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
+            )
+            s_t = s_t * (g.scale * LOG2E)
+            if masked:
+                key = _iota(shape, 0) + key_base
+                row = _iota(shape, 1) + qb * bq
+                s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
+            plgpu.barrier_wait(lse_ready.at[slot])
+            lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
+            plgpu.barrier_wait(delta_ready.at[slot])
+            delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+            own_staging = tuple(s.at[wg] for s in staging)
+            dv, dk = _accumulate(
+                g, (dv, dk), (p_t.astype(dtype), ds_t.astype(dtype)), (do_blk, q_blk), own_staging
+            )
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv
+
+        def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
+            # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
+            # and release the slot.
+            slot = lax.rem(base + qb, jnp.int32(slots))
+            _wait_all(ring_ready, slot)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+        def head(i: Any, carry: Any) -> Any:
+            base = i * per_head - first  # stream position of this head's block 0
+            lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
+            masked = functools.partial(step, base=base, masked=True)
+            carry = lax.fori_loop(own_first, own_full, masked, carry)
+            unmasked = functools.partial(step, base=base, masked=False)
+            return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
+
+        zero = _acc(WG_ROWS, g.dpad)
+        dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
+        k_own[...] = (dk * g.scale).astype(dtype)
+        v_own[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[keys])
+        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[keys])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == g.key_wgs)
+    def _memory() -> None:
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+        def fetch(t: Any, slot: Any) -> None:
+            blocks = jnp.maximum(per_head, 1)
+            h = kvh * g.group + lax.div(t, blocks)
+            rows = pl.ds((first + lax.rem(t, blocks)) * bq, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot], q_ready.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_ready.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_ready.at[slot])
+            plgpu.copy_gmem_to_smem(
+                delta_ref.at[b, h, rows], delta_ring.at[slot], delta_ready.at[slot]
+            )
+
+        _feed(slots, total, fetch, consumed)
+
+
+def _feed(slots: int, total: Any, fetch: Any, consumed: Any) -> None:
+    """The memory warpgroup's loop: fill the ring, refill each slot once released, then drain."""
+
+    def slot_of(t: Any) -> Any:
+        return lax.rem(t, jnp.int32(slots))
+
+    for i in range(slots):
+        pl.when(i < total)(functools.partial(fetch, jnp.int32(i), jnp.int32(i)))
+
+    def refill(t: Any, carry: Any) -> Any:
+        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        fetch(t, slot_of(t))
+        return carry
+
+    lax.fori_loop(jnp.int32(slots), total, refill, None)
+
+    def drain(t: Any, carry: Any) -> Any:
+        # Observe the last releases too, so every barrier phase is waited on before exit.
+        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        return carry
+
+    lax.fori_loop(jnp.maximum(total - slots, 0), total, drain, None)
+
+
+def _dq_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, *, g
+) -> None:
+    q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
+    q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready = ready
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    tile_base = lax.axis_index("q_tiles") * (Q_TILE_WGS * WG_ROWS)
+    cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
+    bk, slots, dtype = g.bk, g.q_slots, q_ref.dtype
+
+    @pl.when(wg < Q_TILE_WGS)
+    def _compute() -> None:
+        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        row_base = tile_base + wg * WG_ROWS
+        rows = pl.ds(row_base, WG_ROWS)
+        q_own, do_own = q_smem.at[wg], do_smem.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_own, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_own, do_ready.at[wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], lse_ready.at[wg])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], delta_ready.at[wg])
+        steps = g.kv_steps(row_base + WG_ROWS - 1)
+        full = g.full_kv_steps(row_base, steps)
+        _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
+        shape = (WG_ROWS, bk)
+        # Row vectors, broadcast where used: whole tiles would hold registers across the loop.
+        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def step(kv: Any, dq: Any, masked: bool) -> Any:
+            slot = lax.rem(kv, jnp.int32(slots))
+            k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            s, dp = _two_products(
+                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
+            )
+            s = s * (g.scale * LOG2E)
+            if masked:
+                key = _iota(shape, 1) + kv * bk
+                ok = key < g.seq_k
+                if g.causal:
+                    ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
+                s = jnp.where(ok, s, -jnp.inf)
+            p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
+            ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+            own_staging = tuple(s_.at[wg] for s_ in staging)
+            (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dq
+
+        def acknowledge(kv: Any, carry: Any) -> Any:
+            slot = lax.rem(kv, jnp.int32(slots))
+            _wait_all((k_ready, v_ready), slot)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+
+        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _acc(WG_ROWS, g.dpad))
+        dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+        lax.fori_loop(steps, cta_steps, acknowledge, None)
+        q_own[...] = (dq * g.scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_own, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == Q_TILE_WGS)
+    def _memory() -> None:
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        kvh = lax.div(h, jnp.int32(g.group))
+
+        def fetch(kv: Any, slot: Any) -> None:
+            keys = (b, pl.ds(kv * bk, bk), kvh)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
+
+        _feed(slots, cta_steps, fetch, consumed)
+
+
+def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: bool) -> _Geom:
+    _, seq_q, heads, head_dim = q.shape
+    _, seq_k, kv_heads, _ = k.shape
+    dpad = _cdiv(head_dim, 64) * 64
+    if dpad > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"the Mosaic GPU attention backward supports head dims up to {MAX_HEAD_DIM} (its "
+            f"float32 dK and dV accumulators live in registers); got head_dim={head_dim}"
+        )
+    for name in ("q_blocksize", "kv_blocksize"):
+        if getattr(params, name) not in BLOCKS:
+            raise ValueError(f"{name}={getattr(params, name)} must be one of {BLOCKS}")
+    # Short sequences take smaller blocks rather than padding to a whole large one.
+    bq = min(params.q_blocksize, _cdiv(seq_q, 64) * 64)
+    key_rows = min(params.kv_blocksize, _cdiv(seq_k, 64) * 64)
+    kv_slots = _ring(
+        params.num_stages, lambda s: _dkdv_smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
+    )
+    q_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
+    if not (kv_slots and q_slots):
+        raise NotImplementedError(
+            f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
+            f"q_blocksize={bq}, kv_blocksize={key_rows}"
+        )
+    return _Geom(
+        causal=spec.causal,
+        scale=spec.scale,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        group=heads // kv_heads,
+        dpad=dpad,
+        bq=bq,
+        bk=key_rows,
+        key_wgs=key_rows // WG_ROWS,
+        kv_slots=kv_slots,
+        q_slots=q_slots,
+        registers_a=registers_a,
+    )
+
+
+def bwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    *,
+    spec: AttentionSpec,
+    params: BwdParams,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
+
+    ``params.kv_blocksize`` (64 or 128) is the key rows of a dK/dV CTA (one warpgroup per 64) and the
+    key block the dQ kernel streams; ``params.q_blocksize`` (64 or 128) the query block the dK/dV
+    kernel streams; ``params.num_stages`` the ring depth of both, shrunk where shared memory is short.
+    ``num_warps`` is not used: the warpgroups follow from the blocks. The caller checks dtypes and
+    features (as for the forward).
+    """
+    batch, seq_q, heads, head_dim = q.shape
+    _, seq_k, kv_heads, _ = k.shape
+    g = _geom(q, k, spec, params, registers_a=not interpret)
+    dtype = q.dtype
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+    # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
+    lse2 = jnp.pad(lse2, ((0, 0), (0, 0), (0, g.sqp - seq_q)), constant_values=jnp.inf)
+    delta = jnp.pad(delta, ((0, 0), (0, 0), (0, g.sqp - seq_q)))
+
+    def pad(x: Any, seq: int) -> Any:
+        x = x.astype(dtype)
+        return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))
+
+    qp, dop = pad(q, g.sqp), pad(dout, g.sqp)
+    kp, vp = pad(k, g.skp), pad(v, g.skp)
+    operands = (qp, kp, vp, dop, lse2, delta)
+    compiler_params = plgpu.CompilerParams(approx_math=True)
+    interpret_params = plgpu.InterpretGPUParams() if interpret else None
+
+    kv_smem = [
+        plgpu.SMEM((g.key_wgs, WG_ROWS, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.key_wgs, WG_ROWS, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.kv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.kv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.kv_slots, g.bq), jnp.float32),
+        plgpu.SMEM((g.kv_slots, g.bq), jnp.float32),
+    ]
+    if not g.registers_a:  # staging for P^T and dS^T
+        kv_smem += [plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)] * 2
+    kv_ready = (
+        *[plgpu.Barrier(num_barriers=g.key_wgs)] * 2,
+        *[plgpu.Barrier(num_barriers=g.kv_slots)] * 4,
+    )
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkdv_kernel, g=g),
+        out_type=(
+            jax.ShapeDtypeStruct(kp.shape, dtype),
+            jax.ShapeDtypeStruct(vp.shape, dtype),
+        ),
+        scratch_types=(
+            tuple(kv_smem),
+            kv_ready,
+            plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.kv_slots),
+        ),
+        grid=(kv_heads, g.skp // g.key_rows, batch),
+        grid_names=("heads", "k_tiles", "batch"),
+        num_threads=g.key_wgs + 1,
+        thread_name="wg",
+        compiler_params=compiler_params,
+        interpret=interpret_params,
+    )(*operands)
+
+    rows = Q_TILE_WGS * WG_ROWS
+    q_smem = [
+        plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((Q_TILE_WGS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((Q_TILE_WGS, WG_ROWS), jnp.float32),
+        plgpu.SMEM((g.q_slots, g.bk, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.q_slots, g.bk, g.dpad), dtype, transforms=_TILED),
+    ]
+    if not g.registers_a:  # staging for dS
+        q_smem.append(plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.bk), dtype, transforms=_TILED))
+    q_ready = (
+        *[plgpu.Barrier(num_barriers=Q_TILE_WGS)] * 4,
+        *[plgpu.Barrier(num_barriers=g.q_slots)] * 2,
+    )
+    dq = plgpu.kernel(
+        functools.partial(_dq_kernel, g=g),
+        out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
+        scratch_types=(
+            tuple(q_smem),
+            q_ready,
+            plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.q_slots),
+        ),
+        grid=(heads, g.sqp // rows, batch),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=Q_TILE_WGS + 1,
+        thread_name="wg",
+        compiler_params=compiler_params,
+        interpret=interpret_params,
+    )(*operands)
+    return (
+        dq[:, :seq_q, :, :head_dim],
+        dk[:, :seq_k, :, :head_dim].astype(k.dtype),
+        dv[:, :seq_k, :, :head_dim].astype(v.dtype),
+    )
