@@ -8,7 +8,6 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 
 from ._ambient import current_session
 from ._invocation import Invocation, merge_static, split_static
@@ -19,7 +18,12 @@ Cfg = TypeVar("Cfg")
 Out = TypeVar("Out")
 K = TypeVar("K", bound="Kernel")
 
-_ArrayImpl = type(jnp.zeros(()))
+try:
+    # The concrete type of jax arrays, for the eager fast path's exact type checks. Making an array to
+    # learn it would start a backend at import, before users can call jax.distributed.initialize.
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - a jax without it: every call takes the general path
+    _ArrayImpl = None
 _SCALARS = (int, float, bool, str, type(None))
 _MEMO_LIMIT = 4096
 

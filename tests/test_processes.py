@@ -146,3 +146,15 @@ def test_processes_agree_on_one_config(tmp_path):
     assert outs[0]["cache"] == [1, 1]  # process 1 also remembers process 0's choice
     assert outs[0]["heuristics"] == 4
     assert outs[0]["jit"] == 1
+
+
+def test_import_starts_no_backend():
+    # jax.distributed.initialize must come before any backend starts: importing ejkfn may not start one.
+    out = run_python(
+        """
+        import jax._src.xla_bridge as xla_bridge
+        import ejkfn, ejkfn.attention
+        print(sorted(xla_bridge._backends))
+        """
+    )
+    assert out.strip() == "[]"
