@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from ejkfn._registry import BwdParams, FwdParams
-from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_tpu
+from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
 from ejkfn.attention._backend import AttentionShape, backend_for
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
@@ -324,7 +324,7 @@ def test_tpu_block_rules():
 
 
 # ----------------------------------------------------------------------------------------------------
-# Mosaic GPU (Hopper): no interpreter here; check it lowers, and refuses what it cannot do.
+# Mosaic GPU (Hopper): forward and backward in Mosaic GPU's interpreter, lowering for CUDA, refusals.
 
 MOSAIC_CASES = {
     "bf16_d128_causal_gqa": Case(batch=2, seq_q=1024, seq_k=1024, heads=8, kv_heads=2, dim=128,
@@ -378,6 +378,112 @@ def test_mosaic_refuses(case, match):
         backend.check(case.spec)
         jax.eval_shape(functools.partial(_pallas_mosaic.fwd, spec=case.spec), *args)
     assert not _pallas_mosaic.available()  # no Hopper GPU in CI
+
+
+MOSAIC_FWD = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
+
+
+def _mosaic_bwd(q_blocksize: int = 64, kv_blocksize: int = 64, stages: int = 2) -> BwdParams:
+    return BwdParams(
+        q_blocksize=q_blocksize, kv_blocksize=kv_blocksize, num_stages=stages, variant="mosaic"
+    )
+
+
+# Small shapes (the interpreter is slow) that still span several blocks, ragged tails and diagonals.
+MOSAIC_BWD_CASES = {
+    "causal_gqa_ragged_d64": (
+        Case(seq_q=200, seq_k=200, heads=4, kv_heads=2, dim=64, dtype=jnp.bfloat16, causal=True),
+        _mosaic_bwd(64, 128),
+    ),
+    "gqa_d128_q128_ragged": (
+        Case(seq_q=136, seq_k=200, heads=2, kv_heads=1, dim=128, dtype=jnp.float16),
+        _mosaic_bwd(128, 64, stages=3),
+    ),
+    "causal_q_longer_d80": (  # padded head dim; early rows see no key (lse = -inf)
+        Case(seq_q=190, seq_k=100, dim=80, dtype=jnp.bfloat16, causal=True),
+        _mosaic_bwd(64, 64),
+    ),
+    "causal_k_longer_batch2": (
+        Case(batch=2, seq_q=100, seq_k=256, dim=64, dtype=jnp.float16, causal=True),
+        _mosaic_bwd(128, 128, stages=3),
+    ),
+    "triton_backward": (  # variant None: the Triton-lowering kernels behind the Mosaic forward
+        Case(seq_q=100, seq_k=100, heads=2, kv_heads=1, dim=64, dtype=jnp.bfloat16, causal=True),
+        BwdParams(q_blocksize=32, kv_blocksize=32),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_BWD_CASES))
+def test_mosaic_backward_in_gpu_interpreter(name):
+    case, bp = MOSAIC_BWD_CASES[name]
+    _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
+
+
+def test_mosaic_backward_choice():
+    """The heuristic takes the Mosaic backward up to head dim 128; the tuner sees both kinds."""
+    spec = AttentionSpec(scale=0.1, causal=True)
+
+    def shape(d):
+        return AttentionShape(
+            batch=2, seq_q=4096, seq_k=4096, heads=16, kv_heads=4, head_dim=d, dtype="bfloat16",
+            spec=spec,
+        )  # fmt: skip
+
+    for d in (64, 96, 128):
+        _, bp = _pallas_mosaic.heuristic(shape(d))
+        assert bp.variant == "mosaic"
+        variants = {bp.variant for _, bp in _pallas_mosaic.candidates(shape(d))}
+        assert variants == {"mosaic", None}
+        mosaic = {
+            (bp.kv_blocksize, bp.num_stages)
+            for _, bp in _pallas_mosaic.candidates(shape(d))
+            if bp.variant == "mosaic"
+        }
+        assert mosaic == {(64, 2), (64, 3), (128, 2), (128, 3)}
+    _, bp = _pallas_mosaic.heuristic(shape(256))
+    assert bp.variant is None
+    assert all(bp.variant is None for _, bp in _pallas_mosaic.candidates(shape(256)))
+    short = dataclasses.replace(shape(64), seq_q=40, seq_k=40)
+    assert all(bp.kv_blocksize == 64 for _, bp in _pallas_mosaic.candidates(short) if bp.variant)
+
+
+def test_mosaic_backward_refuses():
+    case = Case(dtype=jnp.bfloat16, dim=256)
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+
+    def bwd(bp, case=case):
+        f = functools.partial(_pallas_mosaic.bwd, spec=case.spec, params=bp)
+        return jax.eval_shape(f, *args, x["q"], lse, x["q"])
+
+    with pytest.raises(NotImplementedError, match="head_dim=256"):
+        bwd(_mosaic_bwd())
+    bwd(BwdParams(q_blocksize=32, kv_blocksize=32))  # the Triton-lowering backward takes it
+    with pytest.raises(ValueError, match="variant"):
+        bwd(BwdParams(variant="cuda"))
+    with pytest.raises(ValueError, match="kv_blocksize=256"):
+        small = Case(dtype=jnp.bfloat16, dim=64)
+        y = jax.eval_shape(lambda: _inputs(small, 0))
+        f = functools.partial(_pallas_mosaic.bwd, spec=small.spec, params=_mosaic_bwd(64, 256))
+        jax.eval_shape(f, y["q"], y["k"], y["v"], *args[3:], y["q"], lse, y["q"])
+
+
+def test_mosaic_backward_candidates_lower_for_cuda():
+    """Every Mosaic backward the tuner may try lowers for a Hopper GPU (registers as wgmma operands,
+    the path the interpreter cannot take)."""
+    case = MOSAIC_CASES["bf16_d128_causal_gqa"]
+    q = jax.ShapeDtypeStruct((case.batch, case.seq_q, case.heads, case.dim), case.dtype)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq_k, case.kv_heads, case.dim), case.dtype)
+    bwds = {
+        bp for _, bp in _pallas_mosaic.candidates(AttentionShape.of(q, k, case.spec)) if bp.variant
+    }
+    assert len(bwds) == 4
+    for bp in sorted(bwds, key=repr):
+        _lower(_pallas_mosaic, case, H100, "cuda", bp=bp)
+    _lower(_pallas_mosaic, MOSAIC_CASES["f16_d64"], H100, "cuda", bp=_mosaic_bwd(128, 128, 3))
+    assert _pallas_mosaic_bwd.MAX_HEAD_DIM == 128
 
 
 def test_registered():

@@ -430,13 +430,18 @@ def _smem_bytes(d: int, bk: int, slots: int) -> int:
 
 
 def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
-    """FlashAttention 3's tiles (64 query x 128 key rows at D = 128, 128 x 128 below), or None
-    where the Mosaic backward cannot take the head dim."""
+    """The Mosaic backward's blocks, or None where it cannot take the head dim.
+
+    128 key rows per dK/dV CTA (two warpgroups) and query blocks of 64 rows at D = 128 (S^T and dP^T
+    beside two 64 x 128 float32 accumulators fill a warpgroup's registers), 128 below; two stages.
+    Chosen for registers and shared memory, not yet measured on a GPU.
+    """
     d = _padded_head_dim(shape.head_dim)
-    bq = 128 if d <= 64 else 64
+    seq_q, seq_k = (max(64, -(-n // 64) * 64) for n in (shape.seq_q, shape.seq_k))
+    bq = min(128 if d <= 64 else 64, seq_q)
     bp = BwdParams(
         q_blocksize=bq,
-        kv_blocksize=128,
+        kv_blocksize=min(128, seq_k),
         num_warps=12,
         num_stages=2,
         variant=_pallas_mosaic_bwd.VARIANT,
