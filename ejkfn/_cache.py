@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ._persistent import PersistentCache
@@ -115,10 +115,14 @@ class Caches:
         """A copy without ``overlay`` (compared by identity)."""
         return self.replace(overlays=tuple(o for o in self.overlays if o is not overlay))
 
-    def lookup(self, key: str) -> tuple[str, Any] | None:
+    def lookup(
+        self, key: str, *, portable_key: str | Callable[[], str] | None = None
+    ) -> tuple[str, Any] | None:
         """``(tier, cfg)`` of the first cache layer holding ``key``, or ``None``.
 
-        Tiers in order: ``"overlay"``, ``"memory"``, ``"persistent"``, ``"shipped"``.
+        Tiers in order: ``"overlay"``, ``"memory"``, ``"persistent"``, ``"shipped"``. The shipped layer
+        is keyed by ``portable_key`` (see :attr:`ejkfn.Invocation.portable_key`) where one is given,
+        or by what it returns when it is a function (called only if that layer is reached).
         """
         for overlay in self.overlays:
             cfg = overlay.get(key)
@@ -132,7 +136,8 @@ class Caches:
             if cfg is not None:
                 return "persistent", cfg
         if self.shipped:
-            cfg = _shipped_layer().get(key)
+            shipped_key = portable_key() if callable(portable_key) else portable_key
+            cfg = _shipped_layer().get(shipped_key or key)
             if cfg is not None:
                 return "shipped", cfg
         return None

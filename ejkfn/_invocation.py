@@ -113,6 +113,10 @@ def kernel_fields(kernel: Kernel) -> dict[str, Any]:
     return out
 
 
+def _key_of(name: str, payload: Mapping[str, Any]) -> str:
+    return f"{name}/{hashlib.sha256(stable_json(payload).encode()).hexdigest()[:40]}"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Invocation(Generic[Cfg]):
     """One call of a kernel, abstracted: what selection needs, and nothing concrete.
@@ -215,8 +219,20 @@ class Invocation(Generic[Cfg]):
     @functools.cached_property
     def key(self) -> str:
         """A stable key: ``"<kernel name>/<sha256 of the payload>"``, equal across processes and runs."""
-        digest = hashlib.sha256(stable_json(self.payload).encode()).hexdigest()[:40]
-        return f"{self.kernel.name}/{digest}"
+        return _key_of(self.kernel.name, self.payload)
+
+    @functools.cached_property
+    def portable_key(self) -> str:
+        """The key of the configs shipped with ejkfn: the payload without driver and library versions.
+
+        A config tuned for a device model stays right on another driver or jax release far more often
+        than not, and is only a starting point (any tier above the shipped one wins); the kernel's own
+        ``version`` still separates incompatible configs.
+        """
+        payload = dict(self.payload)
+        payload["device"] = {k: self.device[k] for k in ("platform", "device_kind")}
+        del payload["software"]
+        return _key_of(self.kernel.name, payload)
 
     def replace(self, **changes: Any) -> Invocation:
         """A copy with some fields changed (the key is recomputed)."""

@@ -135,7 +135,7 @@ def _decide_miss_or_hit(
     inv: Invocation, caches: Caches, policy: AutotunePolicy, tuner: Tuner | None
 ) -> tuple[Decision, Caches]:
     key = inv.key
-    hit = caches.lookup(key)
+    hit = caches.lookup(key, portable_key=lambda: inv.portable_key)
     if hit is not None:
         tier, cfg = hit
         if tier in ("persistent", "shipped"):

@@ -254,7 +254,8 @@ def test_shipped_layer_sits_behind_the_user_cache(tmp_path, monkeypatch):
     from ejkfn import _cache
 
     inv = inv_of()
-    shipped = ejkfn.PersistentCache(tmp_path / "shipped").put(inv.key, ScaleCfg(block=1)).save()
+    shipped = ejkfn.PersistentCache(tmp_path / "shipped")
+    shipped = shipped.put(inv.portable_key, ScaleCfg(block=1)).save()
     monkeypatch.setattr(_cache, "_shipped_layer", lambda: shipped)
     d, _ = tiers(inv, ejkfn.Caches())
     assert (d.tier, d.cfg) == ("shipped", ScaleCfg(block=1))
@@ -263,6 +264,32 @@ def test_shipped_layer_sits_behind_the_user_cache(tmp_path, monkeypatch):
     assert (d.tier, d.cfg) == ("persistent", ScaleCfg(block=2))
     d, _ = tiers(inv, ejkfn.Caches(shipped=False))
     assert d.tier == "autotune"
+
+
+def test_shipped_configs_survive_driver_and_library_upgrades(tmp_path, monkeypatch):
+    from ejkfn import _cache, _invocation
+
+    inv = inv_of()
+    shipped = ejkfn.PersistentCache(tmp_path).put(inv.portable_key, ScaleCfg(block=1)).save()
+    monkeypatch.setattr(_cache, "_shipped_layer", lambda: shipped)
+    newer_driver = inv.replace(device={**inv.device, "platform_version": "a later driver"})
+    monkeypatch.setattr(
+        _invocation, "software_versions", lambda: {"ejkfn": "9", "jax": "9", "jaxlib": "9"}
+    )
+    upgraded = newer_driver.replace()  # recomputes the key with the patched versions
+    assert upgraded.key != inv.key
+    assert upgraded.portable_key == inv.portable_key
+    d, _ = tiers(upgraded, ejkfn.Caches())
+    assert (d.tier, d.cfg) == ("shipped", ScaleCfg(block=1))
+    # another device model, or another kernel version, is not served the shipped config
+    other_gpu = upgraded.replace(device={**inv.device, "device_kind": "another model"})
+    assert tiers(other_gpu, ejkfn.Caches())[0].tier == "autotune"
+    bumped = upgraded.replace(kernel=Scale2())
+    assert bumped.portable_key != inv.portable_key
+
+
+class Scale2(Scale):
+    version = 2
 
 
 POLICIES = [

@@ -1,0 +1,158 @@
+"""Tune flash attention for common shapes on this GPU, and install the configs ejkfn ships.
+
+Tuning (on the GPU): for each shape, bf16, causal and not, it records the invocation that
+``ejkfn.flash_attention(q, k, v, causal=...)`` makes (platform ``"auto"``), times a pruned candidate set
+forward and backward (each native backend's heuristic config plus up to ``--per-backend`` others drawn
+from its candidates), and stores the fastest under the invocation's portable key
+(:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
+versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
+
+Installing (anywhere): ``--install FOLDER...`` merges such folders into ``ejkfn/_shipped``, the read-only
+layer every user's selection consults after their own caches.
+
+Usage: ``python benchmarks/tune_shipped.py [--out DIR]`` then
+``python benchmarks/tune_shipped.py --install DIR/shipped_NVIDIA_H200 ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import ejkfn
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+
+SHAPES = [  # (batch, seq, heads, kv_heads, dim): the benchmark's shapes and common training ones
+    (4, 2048, 16, 16, 128),
+    (4, 4096, 16, 16, 128),
+    (2, 8192, 16, 16, 128),
+    (2, 16384, 16, 16, 128),
+    (1, 32768, 16, 16, 128),
+    (8, 2048, 32, 32, 64),
+    (2, 8192, 32, 32, 64),
+    (2, 8192, 32, 8, 128),
+    (2, 4096, 32, 8, 128),
+]
+PACKAGE_LAYER = Path(__file__).resolve().parents[1] / "ejkfn" / "_shipped"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    p.add_argument("--per-backend", type=int, default=5, help="candidates besides the heuristic")
+    p.add_argument("--shapes", default=None, help="BxSxHxD[xKVH],... (default: the built-in list)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--install", nargs="+", default=None, help="cache folders to merge into the package"
+    )
+    return p.parse_args()
+
+
+def pruned_candidates(shape: AttentionShape, per_backend: int) -> list[AttentionConfig]:
+    """Each native backend's heuristic config, then a fixed random draw of its other candidates."""
+    rng = random.Random(0)
+    kind = ejkfn.device_kind()
+    cfgs: list[AttentionConfig] = []
+    for backend in registered_backends():
+        if kind not in backend.devices or not backend.available():
+            continue
+        if shape.spec.features & backend.unsupported or backend.variant == "dense":
+            continue
+        try:
+            heuristic = backend.heuristic(shape)
+            others = [p for p in backend.candidates(shape) if p != heuristic]
+        except NotImplementedError:
+            continue
+        draw = rng.sample(others, min(per_backend, len(others)))
+        if backend.platform == "xla":
+            draw = []  # the chunked XLA path is a fallback, never near the fused kernels on a GPU
+        for fwd, bwd in [heuristic, *draw]:
+            cfgs.append(
+                AttentionConfig(
+                    platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd
+                )
+            )
+    return cfgs
+
+
+def tune(args: argparse.Namespace) -> None:
+    kind = str(jax.devices()[0].device_kind)
+    folder = Path(args.out) / f"shipped_{kind.replace(' ', '_')}"
+    store = ejkfn.PersistentCache(folder)
+    tuner = ejkfn.Tuner(warmup=2, iters=args.iters, progress=False)
+    shapes = SHAPES
+    if args.shapes:
+        shapes = []
+        for text in args.shapes.split(","):
+            b, s, h, d, *kv = (int(x) for x in text.split("x"))
+            shapes.append((b, s, h, kv[0] if kv else h, d))
+    log: list[dict[str, Any]] = []
+    for batch, seq, heads, kv_heads, dim in shapes:
+        for causal in (False, True):
+            q = jnp.zeros((batch, seq, heads, dim), jnp.bfloat16)
+            k = jnp.zeros((batch, seq, kv_heads, dim), jnp.bfloat16)
+            (inv,) = ejkfn.record(
+                lambda q, k, v, causal=causal: ejkfn.flash_attention(q, k, v, causal=causal),
+                q,
+                k,
+                k,
+            )
+            spec = AttentionSpec(scale=dim**-0.5, causal=causal)
+            cfgs = pruned_candidates(AttentionShape.of(q, k, spec), args.per_backend)
+            start = time.perf_counter()
+            report = tuner.tune(inv, cfgs, validate_backward=True)
+            name = f"{batch}x{seq}x{heads}/{kv_heads}x{dim}{' causal' if causal else ''}"
+            print(f"\n{name}: {len(cfgs)} candidates, {time.perf_counter() - start:.0f} s")
+            print(report.table())
+            if report.best is None:
+                continue
+            times = {repr(r.cfg): r.seconds for r in report.results if r.ok}
+            meta = {
+                "shape": name,
+                "device_kind": kind,
+                "tuned_fwd_bwd_ms": min(times.values()) * 1e3,
+            }
+            store = store.put(inv.portable_key, report.best, meta=meta)
+            log.append({"shape": name, "best": repr(report.best), "seconds": times})
+    store.save()
+    (folder / ".lock").unlink(missing_ok=True)
+    Path(args.out, f"tune_shipped_{kind.replace(' ', '_')}.json").write_text(
+        json.dumps(
+            {"device": kind, "versions": dict(ejkfn.software_versions()), "log": log}, indent=1
+        )
+    )
+    print(f"\n{len(store)} configs in {folder}")
+
+
+def install(folders: list[str]) -> None:
+    layer = ejkfn.PersistentCache(PACKAGE_LAYER)
+    for folder in folders:
+        source = ejkfn.PersistentCache(folder, readonly=True)
+        for key in source.keys():
+            layer = layer.put(key, source.get(key), meta=source.record(key).get("meta"))
+        print(f"{len(source)} configs from {folder}")
+    layer.save()
+    (PACKAGE_LAYER / ".lock").unlink(missing_ok=True)
+    print(f"{len(layer)} configs in {PACKAGE_LAYER.name}")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.install:
+        install(args.install)
+    else:
+        tune(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
