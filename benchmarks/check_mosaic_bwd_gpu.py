@@ -42,12 +42,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import ejkfn  # noqa: E402
-from ejkfn import AttentionConfig, BwdParams  # noqa: E402
-from ejkfn.attention import _pallas_gpu, _pallas_mosaic  # noqa: E402
-from ejkfn.attention._backend import AttentionShape  # noqa: E402
-from ejkfn.attention._reference import reference_attention  # noqa: E402
-from ejkfn.attention._spec import AttentionSpec  # noqa: E402
+import ejkfn
+from ejkfn import AttentionConfig, BwdParams
+from ejkfn.attention import _pallas_gpu, _pallas_mosaic
+from ejkfn.attention._backend import AttentionShape
+from ejkfn.attention._reference import reference_attention
+from ejkfn.attention._spec import AttentionSpec
 
 T0 = time.time()
 ROWS: list[dict] = []
@@ -91,7 +91,9 @@ def guarded(run: Run, name: str, fn, *args, **kwargs) -> None:
     except Exception as e:  # report and go on
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         lines = msg.splitlines()
-        short = "\n".join(lines[:12] + (["..."] + lines[-6:] if len(lines) > 18 else lines[12:]))
+        if len(lines) > 18:  # a compile error's head and tail say what failed
+            lines = [*lines[:12], "...", *lines[-6:]]
+        short = "\n".join(lines)
         log(f"FAIL {name}: {short[:2500]}")
         ROWS.append(dict(item=name, status="error", error=short[:600]))
     save(run)
