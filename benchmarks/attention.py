@@ -111,6 +111,8 @@ def ejkfn_impls(case: Case) -> dict[str, Callable[..., jax.Array]]:
 def peer_impls(case: Case) -> dict[str, Callable[..., jax.Array]]:
     impls: dict[str, Callable[..., jax.Array]] = {}
     for implementation in ("cudnn", "xla"):
+        if implementation == "xla" and case.batch * case.heads * case.seq**2 > 2**31:
+            continue  # the score matrix would not fit
         impls[f"jax.nn {implementation}"] = lambda q, k, v, implementation=implementation: (
             jax.nn.dot_product_attention(
                 q, k, v, is_causal=case.causal, implementation=implementation
@@ -212,6 +214,52 @@ def device_info() -> dict[str, Any]:
     except (OSError, subprocess.TimeoutExpired):
         pass
     return info
+
+
+def summary(results: list[dict[str, Any]]) -> str:
+    """The goals' view, as a markdown table: ratios measured side by side in this run."""
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if "fwd_tflops" in r:
+            by_case.setdefault(r["case"], {})[r["impl"]] = r
+    lines = [
+        "| shape | best ejkfn fwd / cuDNN | best ejkfn fwd+bwd / cuDNN | auto / fastest ejkfn (fwd, "
+        "fwd+bwd) | Triton / mha (fwd, fwd+bwd) | Pallas-Triton / mha (fwd, fwd+bwd) |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+
+    for case, impls in by_case.items():
+        cudnn = impls.get("jax.nn cudnn", {})
+        mha = impls.get("jax pallas-triton mha", {})
+        auto = impls.get("ejkfn auto", {})
+        own = {n: r for n, r in impls.items() if n.startswith("ejkfn ") and n != "ejkfn auto"}
+        kernels = {n: r for n, r in own.items() if not n.startswith("ejkfn cudnn")}
+        cells = [case]
+        for key in ("fwd_tflops", "fwd_bwd_tflops"):
+            best = max(kernels.items(), key=lambda kv: kv[1].get(key) or 0, default=None)
+            if best is None or not best[1].get(key):
+                cells.append("-")
+                continue
+            name = best[0].removeprefix("ejkfn ")
+            cells.append(f"{ratio(best[1][key], cudnn.get(key))} ({name})")
+        fastest = [
+            max((r.get(k) or 0 for r in own.values()), default=0)
+            for k in ("fwd_tflops", "fwd_bwd_tflops")
+        ]
+        cells.append(
+            f"{ratio(auto.get('fwd_tflops'), fastest[0])}, {ratio(auto.get('fwd_bwd_tflops'), fastest[1])}"
+        )
+        for name in ("ejkfn triton/triton", "ejkfn pallas/triton"):
+            r = impls.get(name, {})
+            cells.append(
+                f"{ratio(r.get('fwd_tflops'), mha.get('fwd_tflops'))}, "
+                f"{ratio(r.get('fwd_bwd_tflops'), mha.get('fwd_bwd_tflops'))}"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -321,6 +369,7 @@ def main() -> int:
             f"{case_name:30} {name:30} {cell(f, 'fwd_tflops')} {cell(fb, 'fwd_bwd_tflops')}  {note}"
         )
 
+    print(summary(results))
     save(results)
     print(f"\nwrote {path}")
     return 0 if all(r.get("correct", False) for r in results if "error" not in r) else 1
