@@ -155,8 +155,34 @@ def worker(args: argparse.Namespace) -> None:
             )
             if jax.process_index() == 0:
                 print(json.dumps(rows[-1]), flush=True)
+    agreed = agreement(args, local_device)
     if jax.process_index() == 0:
-        report(args, rows, n)
+        print(json.dumps({"agreement": agreed}), flush=True)
+        report(args, rows, n, agreed)
+
+
+def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
+    """One config everywhere: each process remembers a different config for the same call; inside
+    ``jax.jit`` every process must use process 0's (exchanged through JAX's distributed runtime)."""
+    from jax.experimental import multihost_utils
+
+    with jax.default_device(local_device):
+        q = jnp.zeros((1, 4096, args.heads, args.dim), jnp.bfloat16)
+        (inv,) = ejkfn.record(lambda q, k, v: ejkfn.flash_attention(q, k, v), q, q, q)
+        block = 64 if jax.process_index() == 0 else 128
+        mine = AttentionConfig(
+            platform="triton", fwd=ejkfn.FwdParams(q_blocksize=block, kv_blocksize=64)
+        )
+        with ejkfn.use_caches(ejkfn.Caches().remember(inv.key, mine)):
+            lowered = jax.jit(lambda q, k, v: ejkfn.flash_attention(q, k, v)).lower(q, q, q)
+        used = ejkfn.find_labels_in_lowered(lowered)[0].call()[1]
+    remembered = multihost_utils.process_allgather(np.array([block]))
+    used_blocks = multihost_utils.process_allgather(np.array([used.fwd.q_blocksize]))
+    return {
+        "remembered_q_blocks": np.ravel(remembered).tolist(),
+        "used_q_blocks": np.ravel(used_blocks).tolist(),
+        "one_config": bool(np.all(np.ravel(used_blocks) == 64)),
+    }
 
 
 def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
@@ -254,7 +280,9 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
     return row
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], n: int) -> None:
+def report(
+    args: argparse.Namespace, rows: list[dict[str, Any]], n: int, agreed: dict[str, Any]
+) -> None:
     info = device_info()
     print(f"\nring attention over {n} x {info.get('device_kind')} ({info.get('nvidia_smi', '')})")
     header = (
@@ -274,11 +302,19 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], n: int) -> None
             f"({r['ratio_fwd_bwd']:.2f}) "
             f"| {r['ring_comm_ms']:.2f} / {r['ring_fwd_ms']:.2f} |"
         )
+    print(
+        f"one config everywhere: processes remembered q blocks {agreed['remembered_q_blocks']}, "
+        f"used {agreed['used_q_blocks']} inside jit ({'agreed' if agreed['one_config'] else 'DISAGREED'})"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kind = str(info.get("device_kind", "device")).replace(" ", "_")
     path = out / f"ring_attention_{n}x{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps({"device": info, "args": vars(args), "rows": rows}, indent=1))
+    path.write_text(
+        json.dumps(
+            {"device": info, "args": vars(args), "rows": rows, "agreement": agreed}, indent=1
+        )
+    )
     print(f"saved {path}")
 
 
