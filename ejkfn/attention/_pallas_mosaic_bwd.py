@@ -56,9 +56,13 @@ BLOCKS = (64, 128)
 # Hopper's shared memory per block (227 KiB) less what Mosaic adds (barriers, scratch), as forward.
 _SMEM_LIMIT = 232448 - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-# Compute warpgroups get most of the register file; the memory warpgroup only issues copies.
-_COMPUTE_REGISTERS = 240
-_MEMORY_REGISTERS = 24
+_MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
+
+
+def _compute_registers(compute_wgs: int) -> int:
+    """Per-thread registers of each compute warpgroup: the SM's 64 Ki registers (512 per thread of
+    one warpgroup) less the memory warpgroup's, shared out, in multiples of 8, at most 256."""
+    return min(256, (512 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -236,7 +240,7 @@ def _dkdv_kernel(
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
         key_base = tile_base + wg * WG_ROWS
         keys = (b, pl.ds(key_base, WG_ROWS), kvh)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
@@ -350,13 +354,16 @@ def _dq_kernel(
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile_base = lax.axis_index("q_tiles") * (Q_TILE_WGS * WG_ROWS)
+    tile = lax.axis_index("q_tiles")
+    if g.causal:  # the last query tiles see the most keys: start them first, shortening the tail
+        tile = (g.sqp // (Q_TILE_WGS * WG_ROWS) - 1) - tile
+    tile_base = tile * (Q_TILE_WGS * WG_ROWS)
     cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
     bk, slots, dtype = g.bk, g.q_slots, q_ref.dtype
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
-        plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+        plgpu.set_max_registers(_compute_registers(Q_TILE_WGS), action="increase")
         row_base = tile_base + wg * WG_ROWS
         rows = pl.ds(row_base, WG_ROWS)
         q_own, do_own = q_smem.at[wg], do_smem.at[wg]
