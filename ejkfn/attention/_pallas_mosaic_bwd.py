@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -70,15 +71,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
+    """K and V (16-bit) held, and per slot a Q and a dO block with their float32 lse and delta."""
     return 2 * 2 * key_rows * d + slots * (2 * 2 * bq * d + 2 * 4 * bq)
 
 
 def _dq_smem_bytes(d: int, bk: int, slots: int) -> int:
+    """Q, dO, lse and delta of the tile held, and per slot a K and a V block."""
     rows = Q_TILE_WGS * WG_ROWS
     return 2 * 2 * rows * d + 2 * 4 * rows + slots * 2 * 2 * bk * d
 
 
-def _ring(num_stages: int, fits: Any) -> int:
+def _ring(num_stages: int, fits: Callable[[int], bool]) -> int:
     """The deepest ring of at most ``num_stages`` (at least 2) slots that fits shared memory."""
     for slots in range(max(2, num_stages), 1, -1):
         if fits(slots):
@@ -111,8 +114,8 @@ class _Geom:
     bq: int  # query rows of a block the dK/dV kernel streams
     bk: int  # key rows of a block the dQ kernel streams
     key_wgs: int  # compute warpgroups of the dK/dV kernel, 64 key rows each
-    kv_slots: int  # ring depth of the dK/dV kernel
-    q_slots: int  # ring depth of the dQ kernel
+    dkdv_slots: int  # ring depth of the dK/dV kernel (query blocks)
+    dq_slots: int  # ring depth of the dQ kernel (key blocks)
     registers_a: bool = True
 
     @property
@@ -236,7 +239,7 @@ def _dkdv_kernel(
     first = g.first_q_block(tile_base)
     per_head = g.q_blocks - first  # query blocks streamed for each head of the group
     total = per_head * g.group
-    bq, slots, dtype = g.bq, g.kv_slots, q_ref.dtype
+    bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
@@ -359,7 +362,7 @@ def _dq_kernel(
         tile = (g.sqp // (Q_TILE_WGS * WG_ROWS) - 1) - tile
     tile_base = tile * (Q_TILE_WGS * WG_ROWS)
     cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
-    bk, slots, dtype = g.bk, g.q_slots, q_ref.dtype
+    bk, slots, dtype = g.bk, g.dq_slots, q_ref.dtype
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
@@ -443,11 +446,11 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: b
     # Short sequences take smaller blocks rather than padding to a whole large one.
     bq = min(params.q_blocksize, _cdiv(seq_q, 64) * 64)
     key_rows = min(params.kv_blocksize, _cdiv(seq_k, 64) * 64)
-    kv_slots = _ring(
+    dkdv_slots = _ring(
         params.num_stages, lambda s: _dkdv_smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
     )
-    q_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
-    if not (kv_slots and q_slots):
+    dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
+    if not (dkdv_slots and dq_slots):
         raise NotImplementedError(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
@@ -462,8 +465,8 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: b
         bq=bq,
         bk=key_rows,
         key_wgs=key_rows // WG_ROWS,
-        kv_slots=kv_slots,
-        q_slots=q_slots,
+        dkdv_slots=dkdv_slots,
+        dq_slots=dq_slots,
         registers_a=registers_a,
     )
 
@@ -511,16 +514,16 @@ def bwd(
     kv_smem = [
         plgpu.SMEM((g.key_wgs, WG_ROWS, g.dpad), dtype, transforms=_TILED),
         plgpu.SMEM((g.key_wgs, WG_ROWS, g.dpad), dtype, transforms=_TILED),
-        plgpu.SMEM((g.kv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
-        plgpu.SMEM((g.kv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
-        plgpu.SMEM((g.kv_slots, g.bq), jnp.float32),
-        plgpu.SMEM((g.kv_slots, g.bq), jnp.float32),
+        plgpu.SMEM((g.dkdv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.dkdv_slots, g.bq, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
+        plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
     ]
     if not g.registers_a:  # staging for P^T and dS^T
         kv_smem += [plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)] * 2
     kv_ready = (
         *[plgpu.Barrier(num_barriers=g.key_wgs)] * 2,
-        *[plgpu.Barrier(num_barriers=g.kv_slots)] * 4,
+        *[plgpu.Barrier(num_barriers=g.dkdv_slots)] * 4,
     )
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, g=g),
@@ -531,7 +534,7 @@ def bwd(
         scratch_types=(
             tuple(kv_smem),
             kv_ready,
-            plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.kv_slots),
+            plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
         ),
         grid=(kv_heads, g.skp // g.key_rows, batch),
         grid_names=("heads", "k_tiles", "batch"),
@@ -547,14 +550,14 @@ def bwd(
         plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.dpad), dtype, transforms=_TILED),
         plgpu.SMEM((Q_TILE_WGS, WG_ROWS), jnp.float32),
         plgpu.SMEM((Q_TILE_WGS, WG_ROWS), jnp.float32),
-        plgpu.SMEM((g.q_slots, g.bk, g.dpad), dtype, transforms=_TILED),
-        plgpu.SMEM((g.q_slots, g.bk, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.dq_slots, g.bk, g.dpad), dtype, transforms=_TILED),
+        plgpu.SMEM((g.dq_slots, g.bk, g.dpad), dtype, transforms=_TILED),
     ]
     if not g.registers_a:  # staging for dS
         q_smem.append(plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.bk), dtype, transforms=_TILED))
     q_ready = (
         *[plgpu.Barrier(num_barriers=Q_TILE_WGS)] * 4,
-        *[plgpu.Barrier(num_barriers=g.q_slots)] * 2,
+        *[plgpu.Barrier(num_barriers=g.dq_slots)] * 2,
     )
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, g=g),
@@ -562,7 +565,7 @@ def bwd(
         scratch_types=(
             tuple(q_smem),
             q_ready,
-            plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.q_slots),
+            plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.dq_slots),
         ),
         grid=(heads, g.sqp // rows, batch),
         grid_names=("heads", "q_tiles", "batch"),
