@@ -270,6 +270,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--skip", help="leave out implementations whose name contains this text")
     parser.add_argument(
         "--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results")
     )
@@ -303,6 +304,8 @@ def main() -> int:
     rows: list[tuple[str, str, float | None, float | None, str]] = []
     for case in cases:
         impls = {**peer_impls(case), **ejkfn_impls(case)}
+        if args.skip:
+            impls = {name: fn for name, fn in impls.items() if args.skip not in name}
         arg_sets = [inputs(case, seed) for seed in (1, 2)]
         for name, fn in impls.items():
             entry: dict[str, Any] = {"case": case.name, "impl": name}
