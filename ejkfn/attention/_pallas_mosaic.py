@@ -16,10 +16,12 @@ but takes wgmma operands only from shared memory and cannot run ``pl.run_state``
 there P goes through shared memory and P @ V is added in registers (``_Geom.fused_pv``), the rest of
 the kernel (pipeline, barriers, masking, bounds) being the code that runs on the GPU.
 
-Two backward passes take the natural-log ``lse`` this forward writes, chosen by ``BwdParams.variant``:
-``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd` (FlashAttention 3's split, head dims
-up to 128), or ``None``, the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without
-atomics, every head dim). The heuristic takes the Mosaic one where it can; the tuner tries both.
+Three backward passes take the natural-log ``lse`` this forward writes, chosen by
+``BwdParams.variant``: ``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
+(FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ into a
+float32 accumulator by TMA reduce-add (no dQ kernel; not yet measured on a GPU); or ``None``, the
+Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The
+heuristic takes ``"mosaic"`` where it can; the tuner tries all three.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -404,20 +406,22 @@ def bwd(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Backward pass: ``(dq, dk, dv, None)``.
 
-    ``params.variant == "mosaic"`` runs the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
-    (``NotImplementedError`` for head dims above 128); otherwise the Triton-lowering ones of
+    ``params.variant`` ``"mosaic"`` (dK/dV and dQ kernels) or ``"mosaic_fused"`` (one kernel, dQ
+    added by TMA reduce-add) runs the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
+    (``NotImplementedError`` for head dims above 128); ``None`` the Triton-lowering ones of
     :mod:`._pallas_gpu`.
     """
     _refuse(spec, q, k)
     params = params or heuristic(AttentionShape.of(q, k, spec))[1]
-    if params.variant == _pallas_mosaic_bwd.VARIANT:
+    if params.variant in _pallas_mosaic_bwd.VARIANTS:
         dq, dk, dv = _pallas_mosaic_bwd.bwd(
             q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
         )
         return dq, dk, dv, None
     if params.variant is not None:
         raise ValueError(
-            f"BwdParams.variant={params.variant!r} must be {_pallas_mosaic_bwd.VARIANT!r} or None"
+            f"BwdParams.variant={params.variant!r} must be one of "
+            f"{_pallas_mosaic_bwd.VARIANTS} or None"
         )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,
@@ -464,7 +468,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     """Key blocks and ring depths that fit shared memory; backward: Mosaic blocks (64 or 128 key rows
-    per CTA, 2 or 3 stages) where the head dim allows, and the Triton-lowering candidates."""
+    per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward (dQ by TMA
+    reduce-add; 128 key rows with 2 stages, 64 with 3), and the Triton-lowering candidates."""
     d = _padded_head_dim(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]
@@ -486,6 +491,15 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
                 if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
                     bwds.append(bp)
+        for key_rows, stages in ((128, 2), (64, 3)):
+            bp = dataclasses.replace(
+                base,
+                kv_blocksize=key_rows,
+                num_stages=stages,
+                variant=_pallas_mosaic_bwd.FUSED_VARIANT,
+            )
+            if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
+                bwds.append(bp)
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
         if (heur[0], bp) not in out:

@@ -1,4 +1,5 @@
-"""Flash attention backward in Pallas Mosaic GPU for Hopper (``BwdParams(variant="mosaic")``).
+"""Flash attention backward in Pallas Mosaic GPU for Hopper (``BwdParams(variant="mosaic")`` and
+``"mosaic_fused"``).
 
 FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` in XLA:
 
@@ -12,11 +13,19 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 * dQ: one CTA per (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
   the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K.
 
+``"mosaic_fused"`` runs the dK/dV kernel alone: after dV and dK, each warpgroup stores dS^T to shared
+memory, forms the block's dQ = dS K (bq x D, float32, the third accumulator: ``q_blocksize`` times the
+head dim is at most 64 x 128), stores it to shared memory and adds it into a float32 dQ in global
+memory with a TMA reduce-add; XLA zeroes that accumulator before and scales and casts it after. Five
+matrix products per block pair instead of seven, for the cost of the float32 traffic; the order of
+the additions varies, so dQ's last bits do too.
+
 Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal.
 Warpgroups of one CTA share the stream, so a warpgroup acknowledges the blocks only its neighbour
 needs (it waits for each copy and releases the slot) and barrier phases stay in step. Sequences are
 padded to whole tiles: padded query rows get lse = +inf, hence P = 0; padded keys are masked in the
-dQ kernel (in dK/dV they only reach their own rows, which are cut off).
+dQ kernel (in dK/dV they only reach their own rows, which are cut off, and the fused dQ through their
+K rows, which are zero).
 
 Registers bound the head dim: a dK/dV warpgroup holds two 64 x D float32 accumulators (128 registers
 per thread at D = 128) besides S^T and dP^T, so the head dim, padded to 64, may be at most 128.
@@ -25,8 +34,10 @@ for them.
 
 On a CPU the kernels run in Mosaic GPU's interpreter, which takes wgmma operands only from shared
 memory and no accumulators through ``pl.run_state``: there P^T, dS^T and dS are stored to shared
-memory and each product is added to its accumulator in registers (``_Geom.registers_a`` off). The
-rest (ring, barriers, masking, bounds) is the code that runs on the GPU.
+memory and each product is added to its accumulator in registers (``_Geom.registers_a`` off). It has
+no TMA reduce either: there the fused kernel reads, adds and writes back dQ, each warpgroup into its
+own copy (``_Geom.tma_reduce`` off). The rest (ring, barriers, masking, bounds) is the code that runs
+on the GPU.
 """
 
 from __future__ import annotations
@@ -46,9 +57,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams
 from ._spec import AttentionSpec
 
-__all__ = ["MAX_HEAD_DIM", "VARIANT", "bwd", "supports"]
+__all__ = ["FUSED_VARIANT", "MAX_HEAD_DIM", "VARIANT", "VARIANTS", "bwd", "supports"]
 
 VARIANT = "mosaic"
+FUSED_VARIANT = "mosaic_fused"
+VARIANTS = (VARIANT, FUSED_VARIANT)
 LOG2E = math.log2(math.e)
 WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
 Q_TILE_WGS = 2  # compute warpgroups of the dQ kernel
@@ -57,6 +70,10 @@ BLOCKS = (64, 128)
 # Hopper's shared memory per block (227 KiB) less what Mosaic adds (barriers, scratch), as forward.
 _SMEM_LIMIT = 232448 - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+_TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+# The fused kernel's dQ block (bq x D float32) is a third accumulator beside dK and dV: at most 64
+# registers per thread, so bq * D <= 64 * 128.
+_FUSED_DQ_ELEMS = WG_ROWS * MAX_HEAD_DIM
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 
 
@@ -75,6 +92,15 @@ def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
     return 2 * 2 * key_rows * d + slots * (2 * 2 * bq * d + 2 * 4 * bq)
 
 
+def _fused_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
+    """The dK/dV kernel's, and per warpgroup dS^T (16-bit) and a float32 dQ block for the reduce."""
+    return (
+        _dkdv_smem_bytes(d, key_rows, bq, slots)
+        + key_rows * bq * 2
+        + key_rows // WG_ROWS * bq * d * 4
+    )
+
+
 def _dq_smem_bytes(d: int, bk: int, slots: int) -> int:
     """Q, dO, lse and delta of the tile held, and per slot a K and a V block."""
     rows = Q_TILE_WGS * WG_ROWS
@@ -90,12 +116,18 @@ def _ring(num_stages: int, fits: Callable[[int], bool]) -> int:
 
 
 def supports(head_dim: int, params: BwdParams) -> bool:
-    """Whether both kernels fit shared memory (and registers) with rings of at least two slots."""
+    """Whether ``params.variant``'s kernels fit shared memory (and registers) with rings of at least
+    two slots."""
     d = _cdiv(head_dim, 64) * 64
     if d > MAX_HEAD_DIM:
         return False
     if params.kv_blocksize not in BLOCKS or params.q_blocksize not in BLOCKS:
         return False
+    if params.variant == FUSED_VARIANT:
+        if params.q_blocksize * d > _FUSED_DQ_ELEMS:
+            return False
+        fits = functools.partial(_fused_smem_bytes, d, params.kv_blocksize, params.q_blocksize)
+        return bool(_ring(2, lambda s: fits(s) <= _SMEM_LIMIT))
     kv = _ring(
         2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= _SMEM_LIMIT
     )
@@ -117,6 +149,8 @@ class _Geom:
     dkdv_slots: int  # ring depth of the dK/dV kernel (query blocks)
     dq_slots: int  # ring depth of the dQ kernel (key blocks)
     registers_a: bool = True
+    fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
+    tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
 
     @property
     def offset(self) -> int:
@@ -221,16 +255,31 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
+def _product(a: Any, b: Any, shape: tuple[int, int]) -> Any:
+    """``a @ b`` of two shared memory operands, in float32 registers."""
+
+    def run(acc: Any) -> Any:
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
     for barrier in barriers:
         plgpu.barrier_wait(barrier.at[slot])
 
 
-def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, smem, ready, consumed, *, g
-) -> None:
-    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *staging = smem
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready = ready
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
+    # The fused kernel takes the float32 dQ accumulator as a further (aliased) input.
+    dq_acc = refs[0] if g.fused else None
+    dk_ref, dv_ref, smem, ready, consumed = refs[1:] if g.fused else refs
+    k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *extra = smem
+    rest = iter(extra)
+    p_stage = None if g.registers_a else next(rest)
+    ds_stage = next(rest) if g.fused or not g.registers_a else None
+    dq_stage = next(rest) if g.fused else None
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *acc_ready = ready
     ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
     b = lax.axis_index("batch")
     kvh = lax.axis_index("heads")
@@ -255,7 +304,29 @@ def _dkdv_kernel(
         plgpu.barrier_wait(v_ready.at[wg])
         shape = (WG_ROWS, bq)
 
-        def step(qb: Any, carry: Any, base: Any, masked: bool) -> Any:
+        def add_dq(qb: Any, h: Any) -> None:
+            # This block's dQ, dS K (scaled in XLA), added into the float32 accumulator. Padded keys
+            # need no mask: their K rows are zero.
+            dq = _product(ds_stage.at[wg].transpose((1, 0)), k_own, (bq, g.dpad))
+            rows = pl.ds(qb * bq, bq)
+            dq_own = dq_stage.at[wg]
+            if g.tma_reduce:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read dq_own
+                dq_own[...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_own, dq_acc.at[b, rows, h], reduction_op="add")
+                return
+            # Mosaic GPU's interpreter has no TMA reduce: read, add and write back this warpgroup's
+            # own accumulator (CTAs run one after another there, so no other writer interleaves).
+            dst = dq_acc.at[wg, b, rows, h]
+            plgpu.copy_gmem_to_smem(dst, dq_own, acc_ready[0].at[wg])
+            plgpu.barrier_wait(acc_ready[0].at[wg])
+            dq_own[...] = dq_own[...] + dq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dq_own, dst)
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
             dk, dv = carry
             slot = lax.rem(base + qb, jnp.int32(slots))
             q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
@@ -274,12 +345,17 @@ def _dkdv_kernel(
             p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
             plgpu.barrier_wait(delta_ready.at[slot])
             delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-            own_staging = tuple(s.at[wg] for s in staging)
+            ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
+            if g.fused and g.registers_a:  # the dQ product's left operand (dS = (dS^T)^T)
+                ds_stage.at[wg][...] = ds_t
+                plgpu.commit_smem()
+            own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
             dv, dk = _accumulate(
-                g, (dv, dk), (p_t.astype(dtype), ds_t.astype(dtype)), (do_blk, q_blk), own_staging
+                g, (dv, dk), (p_t.astype(dtype), ds_t), (do_blk, q_blk), own_staging
             )
             plgpu.barrier_arrive(consumed.at[slot])
+            if g.fused:
+                add_dq(qb, h)
             return dk, dv
 
         def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
@@ -292,10 +368,11 @@ def _dkdv_kernel(
 
         def head(i: Any, carry: Any) -> Any:
             base = i * per_head - first  # stream position of this head's block 0
+            h = kvh * g.group + i
             lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
-            masked = functools.partial(step, base=base, masked=True)
+            masked = functools.partial(step, base=base, h=h, masked=True)
             carry = lax.fori_loop(own_first, own_full, masked, carry)
-            unmasked = functools.partial(step, base=base, masked=False)
+            unmasked = functools.partial(step, base=base, h=h, masked=False)
             return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
 
         zero = _acc(WG_ROWS, g.dpad)
@@ -431,7 +508,7 @@ def _dq_kernel(
         _feed(slots, cta_steps, fetch, consumed)
 
 
-def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: bool) -> _Geom:
+def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool) -> _Geom:
     _, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
     dpad = _cdiv(head_dim, 64) * 64
@@ -446,11 +523,19 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: b
     # Short sequences take smaller blocks rather than padding to a whole large one.
     bq = min(params.q_blocksize, _cdiv(seq_q, 64) * 64)
     key_rows = min(params.kv_blocksize, _cdiv(seq_k, 64) * 64)
+    fused = params.variant == FUSED_VARIANT
+    if fused and bq * dpad > _FUSED_DQ_ELEMS:
+        raise NotImplementedError(
+            f"the fused Mosaic GPU attention backward holds a q_blocksize x head_dim float32 dQ "
+            f"block in registers beside dK and dV: q_blocksize * padded head dim must be at most "
+            f"{_FUSED_DQ_ELEMS}; got q_blocksize={bq}, {head_dim=}"
+        )
+    smem_bytes = _fused_smem_bytes if fused else _dkdv_smem_bytes
     dkdv_slots = _ring(
-        params.num_stages, lambda s: _dkdv_smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
+        params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
     )
     dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
-    if not (dkdv_slots and dq_slots):
+    if not (dkdv_slots and (fused or dq_slots)):
         raise NotImplementedError(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
@@ -467,7 +552,9 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, registers_a: b
         key_wgs=key_rows // WG_ROWS,
         dkdv_slots=dkdv_slots,
         dq_slots=dq_slots,
-        registers_a=registers_a,
+        registers_a=not interpret,
+        fused=fused,
+        tma_reduce=not interpret,
     )
 
 
@@ -485,15 +572,19 @@ def bwd(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
-    ``params.kv_blocksize`` (64 or 128) is the key rows of a dK/dV CTA (one warpgroup per 64) and the
-    key block the dQ kernel streams; ``params.q_blocksize`` (64 or 128) the query block the dK/dV
-    kernel streams; ``params.num_stages`` the ring depth of both, shrunk where shared memory is short.
-    ``num_warps`` is not used: the warpgroups follow from the blocks. The caller checks dtypes and
-    features (as for the forward).
+    ``params.variant`` picks the kernels: ``"mosaic"``, a dK/dV kernel and a dQ kernel;
+    ``"mosaic_fused"``, the dK/dV kernel alone, which also adds each block's dQ into a float32
+    accumulator by TMA reduce-add (5 matrix products per block pair instead of 7; the order of the
+    float32 sums, hence dQ's last bits, varies from run to run). ``params.kv_blocksize`` (64 or 128)
+    is the key rows of a dK/dV CTA (one warpgroup per 64) and the key block the dQ kernel streams;
+    ``params.q_blocksize`` (64 or 128) the query block the dK/dV kernel streams (fused: at most 64 at
+    head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
+    short. ``num_warps`` is not used: the warpgroups follow from the blocks. The caller checks dtypes
+    and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, registers_a=not interpret)
+    g = _geom(q, k, spec, params, interpret)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
@@ -519,12 +610,27 @@ def bwd(
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
     ]
-    if not g.registers_a:  # staging for P^T and dS^T
-        kv_smem += [plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)] * 2
-    kv_ready = (
+    stage = plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)
+    if not g.registers_a:  # staging for P^T
+        kv_smem.append(stage)
+    if g.fused or not g.registers_a:  # dS^T: the dQ product's operand, or staging
+        kv_smem.append(stage)
+    if g.fused:  # each warpgroup's float32 dQ block on its way to the accumulator
+        kv_smem.append(plgpu.SMEM((g.key_wgs, g.bq, g.dpad), jnp.float32, transforms=_TILED_F32))
+    kv_ready = [
         *[plgpu.Barrier(num_barriers=g.key_wgs)] * 2,
         *[plgpu.Barrier(num_barriers=g.dkdv_slots)] * 4,
-    )
+    ]
+    dkdv_operands: tuple[Any, ...] = operands
+    if g.fused:
+        # Zeros from XLA, passed as a mutable ref: the kernel writes it in place (an aliased
+        # output). The interpreter's read-modify-write gives each warpgroup its own copy.
+        acc_shape = (batch, g.sqp, heads, g.dpad)
+        if not g.tma_reduce:
+            acc_shape = (g.key_wgs, *acc_shape)
+            kv_ready.append(plgpu.Barrier(num_barriers=g.key_wgs))
+        dq_acc = jax.new_ref(jnp.zeros(acc_shape, jnp.float32))
+        dkdv_operands = (*operands, dq_acc)
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, g=g),
         out_type=(
@@ -533,7 +639,7 @@ def bwd(
         ),
         scratch_types=(
             tuple(kv_smem),
-            kv_ready,
+            tuple(kv_ready),
             plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
         ),
         grid=(kv_heads, g.skp // g.key_rows, batch),
@@ -542,7 +648,14 @@ def bwd(
         thread_name="wg",
         compiler_params=compiler_params,
         interpret=interpret_params,
-    )(*operands)
+    )(*dkdv_operands)
+    dk = dk[:, :seq_k, :, :head_dim].astype(k.dtype)
+    dv = dv[:, :seq_k, :, :head_dim].astype(v.dtype)
+    if g.fused:
+        acc = jax.freeze(dq_acc)
+        if not g.tma_reduce:
+            acc = acc.sum(axis=0)
+        return (acc[:, :seq_q, :, :head_dim] * g.scale).astype(dtype), dk, dv
 
     rows = Q_TILE_WGS * WG_ROWS
     q_smem = [
@@ -574,8 +687,4 @@ def bwd(
         compiler_params=compiler_params,
         interpret=interpret_params,
     )(*operands)
-    return (
-        dq[:, :seq_q, :, :head_dim],
-        dk[:, :seq_k, :, :head_dim].astype(k.dtype),
-        dv[:, :seq_k, :, :head_dim].astype(v.dtype),
-    )
+    return dq[:, :seq_q, :, :head_dim], dk, dv
