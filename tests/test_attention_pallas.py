@@ -383,10 +383,16 @@ def test_mosaic_refuses(case, match):
 MOSAIC_FWD = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
 
 
-def _mosaic_bwd(q_blocksize: int = 64, kv_blocksize: int = 64, stages: int = 2) -> BwdParams:
+def _mosaic_bwd(
+    q_blocksize: int = 64, kv_blocksize: int = 64, stages: int = 2, variant: str = "mosaic"
+) -> BwdParams:
     return BwdParams(
-        q_blocksize=q_blocksize, kv_blocksize=kv_blocksize, num_stages=stages, variant="mosaic"
+        q_blocksize=q_blocksize, kv_blocksize=kv_blocksize, num_stages=stages, variant=variant
     )
+
+
+def _fused_bwd(q_blocksize: int = 64, kv_blocksize: int = 64, stages: int = 2) -> BwdParams:
+    return _mosaic_bwd(q_blocksize, kv_blocksize, stages, variant="mosaic_fused")
 
 
 # Small shapes (the interpreter is slow) that still span several blocks, ragged tails and diagonals.
@@ -420,6 +426,35 @@ def test_mosaic_backward_in_gpu_interpreter(name):
     _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
 
 
+# The fused backward (dQ added into a float32 accumulator; in the interpreter by read-modify-write,
+# on the GPU by TMA reduce-add): two warpgroups adding into the same dQ rows, several key tiles and
+# GQA heads adding into one accumulator, causal skips, ragged tails.
+MOSAIC_FUSED_CASES = {
+    "causal_gqa_ragged_d64": (
+        Case(seq_q=200, seq_k=200, heads=4, kv_heads=2, dim=64, dtype=jnp.bfloat16, causal=True),
+        _fused_bwd(128, 128),
+    ),
+    "gqa_d128_ragged": (
+        Case(seq_q=136, seq_k=200, heads=2, kv_heads=1, dim=128, dtype=jnp.float16),
+        _fused_bwd(64, 128),
+    ),
+    "causal_q_longer_d80": (  # padded head dim; early rows see no key (lse = -inf)
+        Case(seq_q=190, seq_k=100, dim=80, dtype=jnp.bfloat16, causal=True),
+        _fused_bwd(64, 64, stages=3),
+    ),
+    "causal_k_longer_batch2": (
+        Case(batch=2, seq_q=100, seq_k=256, dim=64, dtype=jnp.float16, causal=True),
+        _fused_bwd(128, 64, stages=3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_FUSED_CASES))
+def test_mosaic_fused_backward_in_gpu_interpreter(name):
+    case, bp = MOSAIC_FUSED_CASES[name]
+    _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
+
+
 def test_mosaic_backward_choice():
     """The heuristic takes the Mosaic backward up to head dim 128; the tuner sees both kinds."""
     spec = AttentionSpec(scale=0.1, causal=True)
@@ -432,15 +467,18 @@ def test_mosaic_backward_choice():
 
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
-        assert bp.variant == "mosaic"
-        variants = {bp.variant for _, bp in _pallas_mosaic.candidates(shape(d))}
-        assert variants == {"mosaic", None}
-        mosaic = {
-            (bp.kv_blocksize, bp.num_stages)
-            for _, bp in _pallas_mosaic.candidates(shape(d))
-            if bp.variant == "mosaic"
-        }
-        assert mosaic == {(64, 2), (64, 3), (128, 2), (128, 3)}
+        assert bp.variant == "mosaic"  # until the fused one is measured on a GPU
+        cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
+        assert {bp.variant for bp in cands} == {"mosaic", "mosaic_fused", None}
+
+        def blocks(variant, cands=cands):
+            return {(bp.kv_blocksize, bp.num_stages) for bp in cands if bp.variant == variant}
+
+        assert blocks("mosaic") == {(64, 2), (64, 3), (128, 2), (128, 3)}
+        assert blocks("mosaic_fused") == {(64, 3), (128, 2)}
+        for bp in cands:
+            if bp.variant == "mosaic_fused":  # the float32 dQ block fits beside dK and dV
+                assert bp.q_blocksize * -(-d // 64) * 64 <= 64 * 128
     _, bp = _pallas_mosaic.heuristic(shape(256))
     assert bp.variant is None
     assert all(bp.variant is None for _, bp in _pallas_mosaic.candidates(shape(256)))
@@ -463,6 +501,12 @@ def test_mosaic_backward_refuses():
     bwd(BwdParams(q_blocksize=32, kv_blocksize=32))  # the Triton-lowering backward takes it
     with pytest.raises(ValueError, match="variant"):
         bwd(BwdParams(variant="cuda"))
+    with pytest.raises(NotImplementedError, match="q_blocksize=128"):
+        d128 = Case(dtype=jnp.bfloat16, dim=128, seq_q=128, seq_k=128)
+        z = jax.eval_shape(lambda: _inputs(d128, 0))
+        f = functools.partial(_pallas_mosaic.bwd, spec=d128.spec, params=_fused_bwd(128, 64))
+        lse128 = jax.ShapeDtypeStruct((d128.batch, d128.heads, d128.seq_q), jnp.float32)
+        jax.eval_shape(f, z["q"], z["k"], z["v"], *args[3:], z["q"], lse128, z["q"])
     with pytest.raises(ValueError, match="kv_blocksize=256"):
         small = Case(dtype=jnp.bfloat16, dim=64)
         y = jax.eval_shape(lambda: _inputs(small, 0))
@@ -477,13 +521,37 @@ def test_mosaic_backward_candidates_lower_for_cuda():
     q = jax.ShapeDtypeStruct((case.batch, case.seq_q, case.heads, case.dim), case.dtype)
     k = jax.ShapeDtypeStruct((case.batch, case.seq_k, case.kv_heads, case.dim), case.dtype)
     bwds = {
-        bp for _, bp in _pallas_mosaic.candidates(AttentionShape.of(q, k, case.spec)) if bp.variant
+        bp
+        for _, bp in _pallas_mosaic.candidates(AttentionShape.of(q, k, case.spec))
+        if bp.variant == "mosaic"
     }
     assert len(bwds) == 4
     for bp in sorted(bwds, key=repr):
         _lower(_pallas_mosaic, case, H100, "cuda", bp=bp)
     _lower(_pallas_mosaic, MOSAIC_CASES["f16_d64"], H100, "cuda", bp=_mosaic_bwd(128, 128, 3))
     assert _pallas_mosaic_bwd.MAX_HEAD_DIM == 128
+
+
+@pytest.mark.parametrize("name", list(MOSAIC_CASES))
+def test_mosaic_fused_backward_lowers_for_cuda(name):
+    """Every fused backward the tuner may try lowers for a Hopper GPU to one kernel whose dQ goes out
+    by TMA reduce-add into an accumulator aliased in place (the path the interpreter cannot take)."""
+    case = MOSAIC_CASES[name]
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+    shape = AttentionShape.of(x["q"], x["k"], case.spec)
+    bwds = [bp for _, bp in _pallas_mosaic.candidates(shape) if bp.variant == "mosaic_fused"]
+    assert len(bwds) == 2
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H100)
+    for bp in bwds:
+        b = functools.partial(_pallas_mosaic.bwd, spec=case.spec, params=bp, interpret=False)
+        with use_abstract_mesh(mesh):
+            lowered = jax.jit(b).trace(*args, x["q"], lse, x["q"])
+            text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu") and text.count("@mosaic_gpu_v2(") == 1, bp
+        assert "cp.reduce.async.bulk.tensor" in text and ".add." in text, bp
+        assert "output_operand_aliases" in text, bp
 
 
 def test_registered():
