@@ -4,15 +4,17 @@ One run (under 4 minutes on an H200) does, each configuration guarded so a failu
 run goes on:
 
 1. correctness: dq, dk, dv of the Pallas Mosaic forward + Mosaic backward (``BwdParams.variant =
-   "mosaic"``) against a float32 XLA reference, at small and medium bf16 shapes (causal and not, GQA
-   32/8 heads, head dims 64 and 128, ragged lengths), with the Triton-lowering backward's errors on
-   the same inputs beside them; max relative error (max |got - want| / max |want|) and PASS/FAIL;
+   "mosaic"``, and ``"mosaic_fused"``, whose dK/dV kernel adds dQ by TMA reduce-add) against a
+   float32 XLA reference, at small and medium bf16 shapes (causal and not, GQA 32/8 heads, head dims
+   64 and 128, ragged lengths), with the Triton-lowering backward's errors on the same inputs beside
+   them; max relative error (max |got - want| / max |want|) and PASS/FAIL;
 2. timing: median of 15 forward+backward calls (after warm-up) at 2x8192x16x128 causal and not,
    4x4096x16x128, 8x2048x32x64 and GQA 2x8192x32/8x128 causal, for cuDNN
    (``jax.nn.dot_product_attention(implementation="cudnn")``), the Mosaic forward + Triton-lowering
-   backward (the default before), and the Mosaic forward + Mosaic backward with its heuristic blocks
-   and, while time lasts, the other blocks the tuner tries; TFLOP/s (forward+backward = 3.5 x
-   4*B*H*S*S*D, halved for causal), the ratio to cuDNN and the gradients' error against cuDNN's;
+   backward (the default before), the Mosaic forward + Mosaic backward with its heuristic blocks, the
+   Mosaic forward + fused Mosaic backward right after it, and, while time lasts, the other blocks
+   the tuner tries (fused ones first); TFLOP/s (forward+backward = 3.5 x 4*B*H*S*S*D, halved for
+   causal), the ratio to cuDNN and the gradients' error against cuDNN's;
 3. results as JSON in ``--out`` (default ``$OUT``), rewritten after every row.
 
 Run from the repository root on the GPU machine::
@@ -35,6 +37,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+if "--cpu-smoke" in sys.argv:
+    # Mosaic GPU's interpreter blocks host threads in barrier waits; with the CPU client's default
+    # thread pool on a small machine (2 cores) a warpgroup can starve and the run hang. Several host
+    # devices (as the tests' conftest sets) give it threads enough. Must precede importing JAX.
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax
 import jax.numpy as jnp
@@ -130,13 +138,14 @@ def triton_bwd(q, k, causal: bool) -> BwdParams:
     return _pallas_gpu.heuristic(AttentionShape.of(q, k, spec))[1]
 
 
-def mosaic_bwds(q, k, causal: bool) -> list[BwdParams]:
-    """The heuristic's Mosaic backward first, then the other Mosaic blocks the tuner tries."""
+def mosaic_bwds(q, k, causal: bool, variant: str = "mosaic") -> list[BwdParams]:
+    """The heuristic's Mosaic backward first (if of ``variant``), then the other blocks of
+    ``variant`` the tuner tries."""
     shape = AttentionShape.of(q, k, AttentionSpec(scale=0.1, causal=causal))
     heur = _pallas_mosaic.heuristic(shape)[1]
-    out = [heur] if heur.variant == "mosaic" else []
+    out = [heur] if heur.variant == variant else []
     for _, bp in _pallas_mosaic.candidates(shape):
-        if bp.variant == "mosaic" and bp not in out:
+        if bp.variant == variant and bp not in out:
             out.append(bp)
     return out
 
@@ -270,9 +279,10 @@ def main() -> None:
         b, sq, sk, h, kvh, d = shape
         q = jax.ShapeDtypeStruct((b, sq, h, d), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((b, sk, kvh, d), jnp.bfloat16)
-        bwds = mosaic_bwds(q, k, causal)
-        # every block config at one GQA shape, the heuristic's elsewhere; Triton's beside
-        bwds = bwds if i == 2 or (smoke and i == 1) else bwds[:1]
+        bwds, fused = mosaic_bwds(q, k, causal), mosaic_bwds(q, k, causal, "mosaic_fused")
+        # every block config at one GQA shape, the first of each variant elsewhere; Triton's beside
+        every = i == 2 or (smoke and i == 1)
+        bwds = bwds + fused if every else bwds[:1] + fused[:1]
         bwds.append(triton_bwd(q, k, causal))
         guarded(run, f"check {name}", correctness, shape, causal, bwds)
 
@@ -288,6 +298,7 @@ def main() -> None:
     if smoke:
         shapes = [("1x256x2x64 causal", (1, 256, 2, 2, 64), True)]
     extra: list[tuple] = []
+    extra_fused: list[tuple] = []
     for label, shape, causal in shapes:
         b, s, h, kvh, d = shape
         q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
@@ -299,6 +310,11 @@ def main() -> None:
         first, *rest = mosaic_bwds(q, k, causal)
         guarded(run, f"time mosaic+{blocks(first)} {label}", timing, shape, causal, "ours", first)
         extra += [(label, shape, causal, bp) for bp in rest]
+        fused_first, *fused_rest = mosaic_bwds(q, k, causal, "mosaic_fused")
+        name = f"time mosaic+{blocks(fused_first)} {label}"
+        guarded(run, name, timing, shape, causal, "ours", fused_first)
+        extra_fused += [(label, shape, causal, bp) for bp in fused_rest]
+    extra = extra_fused + extra
     for label, shape, causal, bp in extra[: 1 if smoke else None]:
         guarded(run, f"time mosaic+{blocks(bp)} {label}", timing, shape, causal, "ours", bp)
 
