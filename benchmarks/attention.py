@@ -48,6 +48,16 @@ FULL_SHAPES = [  # (batch, seq, heads, kv_heads, dim)
 QUICK_SHAPES = [(2, 4096, 16, 16, 128)]
 
 
+def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``"BxSxHxD[xKVH],..."`` as ``(batch, seq, heads, kv_heads, dim)`` tuples."""
+    shapes = []
+    for item in text.split(","):
+        dims = [int(d) for d in item.split("x")]
+        b, s, h, d = dims[:4]
+        shapes.append((b, s, h, dims[4] if len(dims) > 4 else h, d))
+    return shapes
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     batch: int
@@ -277,11 +287,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.shapes:
-        shapes = []
-        for text in args.shapes.split(","):
-            dims = [int(d) for d in text.split("x")]
-            b, s, h, d = dims[:4]
-            shapes.append((b, s, h, dims[4] if len(dims) > 4 else h, d))
+        shapes = parse_shapes(args.shapes)
     else:
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     cases = [

@@ -41,7 +41,7 @@ if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attention import device_info, median_ms, rel_err
+from attention import device_info, fwd_bwd, median_ms, rel_err
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ejkfn
@@ -121,14 +121,6 @@ def local_cfg(args: argparse.Namespace, seq_local: int, causal: bool) -> Attenti
     spec = AttentionSpec(scale=args.dim**-0.5, causal=causal)
     fwd, bwd = backend.heuristic(AttentionShape.of(q, k, spec))
     return AttentionConfig(platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd)
-
-
-def fwd_bwd(fn: Any) -> Any:
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, *vjp(do)
-
-    return run
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from attention import parse_shapes
 
 import ejkfn
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
@@ -89,12 +90,7 @@ def tune(args: argparse.Namespace) -> None:
     folder = Path(args.out) / f"shipped_{kind.replace(' ', '_')}"
     store = ejkfn.PersistentCache(folder)
     tuner = ejkfn.Tuner(warmup=2, iters=args.iters, progress=False)
-    shapes = SHAPES
-    if args.shapes:
-        shapes = []
-        for text in args.shapes.split(","):
-            b, s, h, d, *kv = (int(x) for x in text.split("x"))
-            shapes.append((b, s, h, kv[0] if kv else h, d))
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     log: list[dict[str, Any]] = []
     for batch, seq, heads, kv_heads, dim in shapes:
         for causal in (False, True):

@@ -44,18 +44,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._pallas_mosaic_bwd import LOG2E, SMEM_LIMIT, WG_ROWS
 from ._spec import AttentionSpec
 
 __all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
 
-LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
 COMPUTE_WGS = 2
 CTA_ROWS = WG_ROWS * COMPUTE_WGS
-# Hopper's shared memory per block (227 KiB), less what Mosaic adds (barriers, reduction scratch):
-# 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes and did not fit.
-_SMEM_LIMIT = 232448 - 4096
 _UNSUPPORTED = frozenset(
     {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
 )
@@ -477,11 +473,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     for bk in (64, 128, 256):
         for slots in (2, 3, 4):
             fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
-            if (
-                bk <= seq_k
-                and _smem_bytes(d, bk, slots) <= _SMEM_LIMIT
-                and (fp, heur[1]) not in out
-            ):
+            if bk <= seq_k and _smem_bytes(d, bk, slots) <= SMEM_LIMIT and (fp, heur[1]) not in out:
                 out.append((fp, heur[1]))
     bwds: list[BwdParams] = []
     base = _mosaic_bwd(shape)

@@ -57,7 +57,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams
 from ._spec import AttentionSpec
 
-__all__ = ["FUSED_VARIANT", "MAX_HEAD_DIM", "VARIANT", "VARIANTS", "bwd", "supports"]
+__all__ = [
+    "FUSED_VARIANT",
+    "LOG2E",
+    "MAX_HEAD_DIM",
+    "SMEM_LIMIT",
+    "VARIANT",
+    "VARIANTS",
+    "WG_ROWS",
+    "bwd",
+    "supports",
+]
 
 VARIANT = "mosaic"
 FUSED_VARIANT = "mosaic_fused"
@@ -67,8 +77,9 @@ WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
 Q_TILE_WGS = 2  # compute warpgroups of the dQ kernel
 MAX_HEAD_DIM = 128
 BLOCKS = (64, 128)
-# Hopper's shared memory per block (227 KiB) less what Mosaic adds (barriers, scratch), as forward.
-_SMEM_LIMIT = 232448 - 4096
+# Hopper's shared memory per block (227 KiB), less what Mosaic adds (barriers, reduction scratch):
+# the forward's 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes and did not fit.
+SMEM_LIMIT = 232448 - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # The fused kernel's dQ block (bq x D float32) is a third accumulator beside dK and dV: at most 64
@@ -127,11 +138,11 @@ def supports(head_dim: int, params: BwdParams) -> bool:
         if params.q_blocksize * d > _FUSED_DQ_ELEMS:
             return False
         fits = functools.partial(_fused_smem_bytes, d, params.kv_blocksize, params.q_blocksize)
-        return bool(_ring(2, lambda s: fits(s) <= _SMEM_LIMIT))
+        return bool(_ring(2, lambda s: fits(s) <= SMEM_LIMIT))
     kv = _ring(
-        2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= _SMEM_LIMIT
+        2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= SMEM_LIMIT
     )
-    dq = _ring(2, lambda s: _dq_smem_bytes(d, params.kv_blocksize, s) <= _SMEM_LIMIT)
+    dq = _ring(2, lambda s: _dq_smem_bytes(d, params.kv_blocksize, s) <= SMEM_LIMIT)
     return bool(kv and dq)
 
 
@@ -531,10 +542,8 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: boo
             f"{_FUSED_DQ_ELEMS}; got q_blocksize={bq}, {head_dim=}"
         )
     smem_bytes = _fused_smem_bytes if fused else _dkdv_smem_bytes
-    dkdv_slots = _ring(
-        params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
-    )
-    dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
+    dkdv_slots = _ring(params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= SMEM_LIMIT)
+    dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= SMEM_LIMIT)
     if not (dkdv_slots and (fused or dq_slots)):
         raise NotImplementedError(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "

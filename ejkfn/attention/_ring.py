@@ -218,11 +218,12 @@ def _choose(
     platform: str, cfg: AttentionConfig | None, base: AttentionSpec, shape: AttentionShape
 ) -> _Local:
     """The local backend: ``cfg``'s, else the platform's (``auto``: the device's best) non-dense one."""
+    needed = _needed(base)
     if cfg is not None:
         backend = backend_for(cfg.platform, cfg.variant or _default_variant(cfg.platform))
         params = (cfg.fwd, cfg.bwd)
     else:
-        backend = _backend_for_platform(platform, base)
+        backend = _backend_for_platform(platform, needed)
         params = backend.heuristic(shape)
     if not backend.bwd_uses_residuals:
         # Its backward normalises with its own row sums, not the whole sequence's out and lse that
@@ -231,8 +232,6 @@ def _choose(
             "ring_attention needs a backend whose backward uses the saved out and lse; got "
             f"platform={backend.platform!r} variant={backend.variant!r} (on xla use 'chunked')"
         )
-    # Pairs may need causal or window masks even when the call has neither.
-    needed = dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
     backend.check(needed)
     interpret = device_kind() not in backend.devices
     return _Local(backend, params[0], params[1], interpret)
@@ -242,8 +241,12 @@ def _default_variant(platform: str) -> str | None:
     return "chunked" if platform == "xla" else None
 
 
-def _backend_for_platform(platform: str, base: AttentionSpec) -> AttentionBackend:
-    needed = dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
+def _needed(base: AttentionSpec) -> AttentionSpec:
+    """What the local backend must support: pairs need causal or window masks the call may lack."""
+    return dataclasses.replace(base, causal=True, window=(1, 1) if base.window else None)
+
+
+def _backend_for_platform(platform: str, needed: AttentionSpec) -> AttentionBackend:
     if platform != "auto":
         return backend_for(platform, _default_variant(platform))
     kind = device_kind()
