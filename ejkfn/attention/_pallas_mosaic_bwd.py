@@ -61,11 +61,14 @@ __all__ = [
     "FUSED_VARIANT",
     "LOG2E",
     "MAX_HEAD_DIM",
+    "MEMORY_REGISTERS",
     "SMEM_LIMIT",
     "VARIANT",
     "VARIANTS",
     "WG_ROWS",
     "bwd",
+    "compute_registers",
+    "meeting",
     "supports",
 ]
 
@@ -85,13 +88,13 @@ _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # The fused kernel's dQ block (bq x D float32) is a third accumulator beside dK and dV: at most 64
 # registers per thread, so bq * D <= 64 * 128.
 _FUSED_DQ_ELEMS = WG_ROWS * MAX_HEAD_DIM
-_MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
+MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 
 
-def _compute_registers(compute_wgs: int) -> int:
+def compute_registers(compute_wgs: int) -> int:
     """Per-thread registers of each compute warpgroup: the SM's 64 Ki registers (512 per thread of
     one warpgroup) less the memory warpgroup's, shared out, in multiples of 8, at most 256."""
-    return min(256, (512 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
+    return min(256, (512 - MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,6 +165,7 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
+    pingpong: bool = True  # two compute warpgroups take turns on the tensor cores
 
     @property
     def offset(self) -> int:
@@ -225,12 +229,16 @@ def _iota(shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _two_products(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple[Any, Any]:
-    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once."""
+def _two_products(
+    a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], meet: Callable[[], None]
+) -> tuple[Any, Any]:
+    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once;
+    ``meet()`` runs while they are in flight."""
 
     def both(acc0: Any, acc1: Any) -> tuple[Any, Any]:
         plgpu.wgmma(acc0, a0, b0)
         plgpu.wgmma(acc1, a1, b1)
+        meet()
         return acc0[...], acc1[...]
 
     acc = plgpu.ACC(shape, jnp.float32)
@@ -276,6 +284,20 @@ def _product(a: Any, b: Any, shape: tuple[int, int]) -> Any:
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
 
 
+def meeting(schedule: Any, on: bool) -> Callable[[], None]:
+    """A meeting point of a CTA's two compute warpgroups on the ``schedule`` barrier (a no-op if not
+    ``on``). One warpgroup starts a meeting ahead and the other ends one behind, so that between two
+    meetings one does its elementwise work while the other's matrix products hold the tensor cores
+    (ping-pong), where without it both would reach their softmax together and leave them idle."""
+
+    def meet() -> None:
+        if on:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+    return meet
+
+
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
     for barrier in barriers:
         plgpu.barrier_wait(barrier.at[slot])
@@ -284,7 +306,7 @@ def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
     # The fused kernel takes the float32 dQ accumulator as a further (aliased) input.
     dq_acc = refs[0] if g.fused else None
-    dk_ref, dv_ref, smem, ready, consumed = refs[1:] if g.fused else refs
+    dk_ref, dv_ref, smem, ready, consumed, schedule = refs[1:] if g.fused else refs
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *extra = smem
     rest = iter(extra)
     p_stage = None if g.registers_a else next(rest)
@@ -300,10 +322,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     per_head = g.q_blocks - first  # query blocks streamed for each head of the group
     total = per_head * g.group
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
+    meet = meeting(schedule, g.pingpong and g.key_wgs == 2)
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
-        plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
+        plgpu.set_max_registers(compute_registers(g.key_wgs), action="increase")
         key_base = tile_base + wg * WG_ROWS
         keys = (b, pl.ds(key_base, WG_ROWS), kvh)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
@@ -344,7 +367,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(do_ready.at[slot])
             s_t, dp_t = _two_products(
-                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
+                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape, meet
             )
             s_t = s_t * (g.scale * LOG2E)
             if masked:
@@ -361,6 +384,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 ds_stage.at[wg][...] = ds_t
                 plgpu.commit_smem()
             own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
+            meet()
             dv, dk = _accumulate(
                 g, (dv, dk), (p_t.astype(dtype), ds_t), (do_blk, q_blk), own_staging
             )
@@ -374,6 +398,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             # and release the slot.
             slot = lax.rem(base + qb, jnp.int32(slots))
             _wait_all(ring_ready, slot)
+            meet()
+            meet()
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
@@ -387,7 +413,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
 
         zero = _acc(WG_ROWS, g.dpad)
+        pl.when(wg == 1)(meet)
         dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
+        pl.when(wg == 0)(meet)
         k_own[...] = (dk * g.scale).astype(dtype)
         v_own[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -397,7 +425,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
     @pl.when(wg == g.key_wgs)
     def _memory() -> None:
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
         def fetch(t: Any, slot: Any) -> None:
             blocks = jnp.maximum(per_head, 1)
@@ -438,7 +466,7 @@ def _feed(slots: int, total: Any, fetch: Any, consumed: Any) -> None:
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, *, g
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, schedule, *, g
 ) -> None:
     q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
     q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready = ready
@@ -451,10 +479,11 @@ def _dq_kernel(
     tile_base = tile * (Q_TILE_WGS * WG_ROWS)
     cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
     bk, slots, dtype = g.bk, g.dq_slots, q_ref.dtype
+    meet = meeting(schedule, g.pingpong)
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
-        plgpu.set_max_registers(_compute_registers(Q_TILE_WGS), action="increase")
+        plgpu.set_max_registers(compute_registers(Q_TILE_WGS), action="increase")
         row_base = tile_base + wg * WG_ROWS
         rows = pl.ds(row_base, WG_ROWS)
         q_own, do_own = q_smem.at[wg], do_smem.at[wg]
@@ -476,7 +505,7 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             s, dp = _two_products(
-                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
+                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape, meet
             )
             s = s * (g.scale * LOG2E)
             if masked:
@@ -488,6 +517,7 @@ def _dq_kernel(
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
             own_staging = tuple(s_.at[wg] for s_ in staging)
+            meet()
             (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
             plgpu.barrier_arrive(consumed.at[slot])
             return dq
@@ -495,12 +525,16 @@ def _dq_kernel(
         def acknowledge(kv: Any, carry: Any) -> Any:
             slot = lax.rem(kv, jnp.int32(slots))
             _wait_all((k_ready, v_ready), slot)
+            meet()
+            meet()
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
+        pl.when(wg == 1)(meet)
         dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _acc(WG_ROWS, g.dpad))
         dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
         lax.fori_loop(steps, cta_steps, acknowledge, None)
+        pl.when(wg == 0)(meet)
         q_own[...] = (dq * g.scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, dq_ref.at[b, rows, h])
@@ -508,7 +542,7 @@ def _dq_kernel(
 
     @pl.when(wg == Q_TILE_WGS)
     def _memory() -> None:
-        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
         kvh = lax.div(h, jnp.int32(g.group))
 
         def fetch(kv: Any, slot: Any) -> None:
@@ -519,7 +553,9 @@ def _dq_kernel(
         _feed(slots, cta_steps, fetch, consumed)
 
 
-def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool) -> _Geom:
+def _geom(
+    q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool, pingpong: bool
+) -> _Geom:
     _, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
     dpad = _cdiv(head_dim, 64) * 64
@@ -564,6 +600,7 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: boo
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
+        pingpong=pingpong,
     )
 
 
@@ -578,6 +615,7 @@ def bwd(
     spec: AttentionSpec,
     params: BwdParams,
     interpret: bool,
+    pingpong: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -593,7 +631,7 @@ def bwd(
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret)
+    g = _geom(q, k, spec, params, interpret, pingpong)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
@@ -650,6 +688,7 @@ def bwd(
             tuple(kv_smem),
             tuple(kv_ready),
             plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
+            plgpu.Barrier(num_arrivals=g.key_wgs),
         ),
         grid=(kv_heads, g.skp // g.key_rows, batch),
         grid_names=("heads", "k_tiles", "batch"),
@@ -688,6 +727,7 @@ def bwd(
             tuple(q_smem),
             q_ready,
             plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.dq_slots),
+            plgpu.Barrier(num_arrivals=Q_TILE_WGS),
         ),
         grid=(heads, g.sqp // rows, batch),
         grid_names=("heads", "q_tiles", "batch"),

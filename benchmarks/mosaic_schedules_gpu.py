@@ -1,0 +1,198 @@
+"""Side-by-side timing of the Mosaic GPU kernels' schedules on a Hopper GPU, with cuDNN beside them.
+
+Forward: ``overlap`` (a block's S = Q K^T issued with the previous block's P V, its softmax running
+while P V is on the tensor cores) against ``step`` (S, softmax, P V one after the other); both with
+the two compute warpgroups in ping-pong. Backward: the dK/dV and dQ kernels with their two compute
+warpgroups in ping-pong against without. Each variant is checked against cuDNN's output and
+gradients on the same inputs first (max relative error), then timed (median of ``--iters`` calls
+after warm-up, inputs alternating between two random sets); ratios are to cuDNN in this run.
+
+    python3 benchmarks/mosaic_schedules_gpu.py --out "$OUT"           # the table
+    python3 benchmarks/mosaic_schedules_gpu.py --profile              # each kernel twice, for ncu
+
+``--cpu-smoke`` runs one tiny shape in Mosaic GPU's interpreter (no cuDNN, no timing), to check the
+script without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if "--cpu-smoke" in sys.argv:  # the interpreter needs host threads (see check_mosaic_bwd_gpu.py)
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention import Case, device_info, inputs, median_ms, parse_shapes
+
+from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
+from ejkfn.attention._backend import AttentionShape
+from ejkfn.attention._spec import AttentionSpec
+
+SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x8x128"
+FORWARDS = {"step": dict(overlap=False), "overlap": dict(overlap=True)}
+BACKWARDS = {"bwd pingpong": dict(pingpong=True), "bwd serial": dict(pingpong=False)}
+
+
+def mosaic(case: Case, fwd_opts: dict[str, bool], bwd_opts: dict[str, bool] | None):
+    """(q, k, v[, do]) -> out, or (out, dq, dk, dv) with ``bwd_opts``: the Mosaic kernels called
+    directly, so that schedule options the public API does not take can be set."""
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
+    fp, bp = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))
+    forward = functools.partial(
+        _pallas_mosaic._forward, spec=spec, params=fp, interpret=None, **fwd_opts
+    )
+    if bwd_opts is None:
+        return jax.jit(lambda q, k, v: forward(q, k, v)[0])
+
+    interpret = jax.default_backend() == "cpu"
+
+    @jax.jit
+    def both(q, k, v, do):
+        out, lse = forward(q, k, v)
+        grads = _pallas_mosaic_bwd.bwd(
+            q, k, v, out, lse, do, spec=spec, params=bp, interpret=interpret, **bwd_opts
+        )
+        return (out, *grads)
+
+    return both
+
+
+def cudnn(case: Case, backward: bool):
+    def attn(q, k, v):
+        impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+        return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation=impl)
+
+    if not backward:
+        return jax.jit(attn)
+
+    @jax.jit
+    def both(q, k, v, do):
+        out, vjp = jax.vjp(attn, q, k, v)
+        return (out, *vjp(do))
+
+    return both
+
+
+def max_rel_err(got: Any, want: Any) -> float:
+    errs = []
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if not np.all(np.isfinite(g)):
+            return float("nan")
+        errs.append(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)))
+    return max(errs)
+
+
+def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    sets = [inputs(case, seed) for seed in (0, 1)]
+    for backward in (False, True):
+        flops = case.flops(backward)
+        pass_name = "fwd+bwd" if backward else "fwd"
+        impls = {"cudnn": cudnn(case, backward)}
+        if backward:
+            for name, opts in BACKWARDS.items():
+                impls[f"mosaic overlap + {name}"] = mosaic(case, FORWARDS["overlap"], opts)
+            impls["mosaic step + bwd serial"] = mosaic(
+                case, FORWARDS["step"], BACKWARDS["bwd serial"]
+            )
+        else:
+            for name, opts in FORWARDS.items():
+                impls[f"mosaic {name}"] = mosaic(case, opts, None)
+        arity = 4 if backward else 3
+        want = impls["cudnn"](*sets[0][:arity])
+        base_ms = None
+        for name, fn in impls.items():
+            row: dict[str, Any] = dict(case=case.name, pass_=pass_name, impl=name)
+            try:
+                got = fn(*sets[0][:arity])
+                row["max_rel_err_vs_cudnn"] = (
+                    0.0
+                    if name == "cudnn"
+                    else max_rel_err(got if backward else (got,), want if backward else (want,))
+                )
+                if not args.cpu_smoke:
+                    ms = median_ms(fn, [s[:arity] for s in sets], args.warmup, args.iters)
+                    row.update(ms=ms, tflops=flops / ms / 1e9)
+                    if name == "cudnn":
+                        base_ms = ms
+                    elif base_ms:
+                        row["vs_cudnn"] = base_ms / ms
+            except Exception as exc:  # report and go on: one variant failing must not end the run
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)  # fmt: skip
+
+
+def profile(cases: list[Case]) -> None:
+    """Each Mosaic kernel twice after compiling, for a profiler wrapped around this process."""
+    for case in cases:
+        q, k, v, do = inputs(case, 0)
+        for opts in FORWARDS.values():
+            fn = mosaic(case, opts, None)
+            jax.block_until_ready(fn(q, k, v))
+            jax.block_until_ready(fn(q, k, v))
+        for opts in BACKWARDS.values():
+            fn = mosaic(case, FORWARDS["overlap"], opts)
+            jax.block_until_ready(fn(q, k, v, do))
+            jax.block_until_ready(fn(q, k, v, do))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES, help="BxSxHxD[xKVH... as attention.py]")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
+    parser.add_argument("--cpu-smoke", action="store_true")
+    args = parser.parse_args()
+    shapes = "1x256x2x64" if args.cpu_smoke else args.shapes
+    cases = [
+        Case(b, s, h, kvh, d, causal)
+        for b, s, h, kvh, d in parse_shapes(shapes)
+        for causal in (False, True)
+    ]
+    if args.profile:
+        profile(cases)
+        return 0
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for case in cases:
+        run_case(case, args, rows)
+    print(f"\n| case | pass | impl | TFLOP/s | vs cuDNN | max rel err |\n|{'---|' * 6}")
+    for r in rows:
+        tf = f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "-")[:60]
+        ratio = f"{r['vs_cudnn']:.2f}" if "vs_cudnn" in r else "-"
+        err = r.get("max_rel_err_vs_cudnn", float("nan"))
+        print(f"| {r['case']} | {r['pass_']} | {r['impl']} | {tf} | {ratio} | {err:.1e} |")
+    print(f"({time.time() - t0:.0f} s)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        kind = jax.devices()[0].device_kind.replace(" ", "_")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = out / f"mosaic_schedules_{kind}_{stamp}.json"
+        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
+        print("saved", path.name)
+    failed = [r for r in rows if "error" in r or not r.get("max_rel_err_vs_cudnn", 1) < 5e-2]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
