@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,17 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import Case, device_info, inputs, median_ms, parse_shapes
 
+from ejkfn import BwdParams
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
-SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x8x128"
+SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x8"
 FORWARDS = {"step": dict(overlap=False), "overlap": dict(overlap=True)}
-BACKWARDS = {"bwd pingpong": dict(pingpong=True), "bwd serial": dict(pingpong=False)}
+FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosaic_fused")
+BACKWARDS = {  # name -> (BwdParams or None for the heuristic's, options)
+    "split": (None, dict(pingpong=False)),
+    "split pingpong": (None, dict(pingpong=True)),
+    "fused": (FUSED, {}),
+}
 
 
-def mosaic(case: Case, fwd_opts: dict[str, bool], bwd_opts: dict[str, bool] | None):
-    """(q, k, v[, do]) -> out, or (out, dq, dk, dv) with ``bwd_opts``: the Mosaic kernels called
+def mosaic(case: Case, fwd_opts: dict[str, bool], bwd: tuple[BwdParams | None, dict] | None):
+    """(q, k, v[, do]) -> out, or (out, dq, dk, dv) with ``bwd``: the Mosaic kernels called
     directly, so that schedule options the public API does not take can be set."""
     spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
@@ -56,8 +63,11 @@ def mosaic(case: Case, fwd_opts: dict[str, bool], bwd_opts: dict[str, bool] | No
     forward = functools.partial(
         _pallas_mosaic._forward, spec=spec, params=fp, interpret=None, **fwd_opts
     )
-    if bwd_opts is None:
+    if bwd is None:
         return jax.jit(lambda q, k, v: forward(q, k, v)[0])
+    bp, bwd_opts = bwd[0] or bp, bwd[1]
+    if not _pallas_mosaic_bwd.supports(case.dim, bp):
+        return None
 
     interpret = jax.default_backend() == "cpu"
 
@@ -99,25 +109,27 @@ def max_rel_err(got: Any, want: Any) -> float:
 
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Check every implementation against cuDNN, then time them in interleaved rounds (so that
+    drifts of the machine's speed fall on all alike); medians over all rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in (False, True):
         flops = case.flops(backward)
-        pass_name = "fwd+bwd" if backward else "fwd"
         impls = {"cudnn": cudnn(case, backward)}
         if backward:
-            for name, opts in BACKWARDS.items():
-                impls[f"mosaic overlap + {name}"] = mosaic(case, FORWARDS["overlap"], opts)
-            impls["mosaic step + bwd serial"] = mosaic(
-                case, FORWARDS["step"], BACKWARDS["bwd serial"]
-            )
+            for name, bwd in BACKWARDS.items():
+                impls[f"mosaic step + {name}"] = mosaic(case, FORWARDS["step"], bwd)
         else:
             for name, opts in FORWARDS.items():
                 impls[f"mosaic {name}"] = mosaic(case, opts, None)
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
-        base_ms = None
+        timed: dict[str, list[float]] = {}
+        case_rows: dict[str, dict[str, Any]] = {}
         for name, fn in impls.items():
-            row: dict[str, Any] = dict(case=case.name, pass_=pass_name, impl=name)
+            if fn is None:
+                continue
+            row = case_rows[name] = dict(case=case.name, pass_="fwd+bwd" if backward else "fwd")
+            row["impl"] = name
             try:
                 got = fn(*sets[0][:arity])
                 row["max_rel_err_vs_cudnn"] = (
@@ -126,29 +138,45 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
                     else max_rel_err(got if backward else (got,), want if backward else (want,))
                 )
                 if not args.cpu_smoke:
-                    ms = median_ms(fn, [s[:arity] for s in sets], args.warmup, args.iters)
-                    row.update(ms=ms, tflops=flops / ms / 1e9)
-                    if name == "cudnn":
-                        base_ms = ms
-                    elif base_ms:
-                        row["vs_cudnn"] = base_ms / ms
+                    median_ms(fn, [s[:arity] for s in sets], args.warmup, 1)
+                    timed[name] = []
             except Exception as exc:  # report and go on: one variant failing must not end the run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        per_round = max(1, args.iters // args.rounds)
+        for _ in range(args.rounds):
+            for name in timed:
+                fn = impls[name]
+                timed[name] += [median_ms(fn, [s[:arity] for s in sets], 0, per_round)]
+        base = statistics.median(timed["cudnn"]) if "cudnn" in timed else None
+        for name, row in case_rows.items():
+            if name in timed:
+                ms = statistics.median(timed[name])
+                row.update(
+                    ms=ms, tflops=flops / ms / 1e9, spread=max(timed[name]) / min(timed[name])
+                )
+                if base and name != "cudnn":
+                    row["vs_cudnn"] = base / ms
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
                   flush=True)  # fmt: skip
 
 
 def profile(cases: list[Case]) -> None:
-    """Each Mosaic kernel twice after compiling, for a profiler wrapped around this process."""
+    """Each kernel (cuDNN's and the Mosaic variants') twice after compiling, for a profiler
+    wrapped around this process."""
     for case in cases:
         q, k, v, do = inputs(case, 0)
+        for fn, args in ((cudnn(case, False), (q, k, v)), (cudnn(case, True), (q, k, v, do))):
+            jax.block_until_ready(fn(*args))
+            jax.block_until_ready(fn(*args))
         for opts in FORWARDS.values():
             fn = mosaic(case, opts, None)
             jax.block_until_ready(fn(q, k, v))
             jax.block_until_ready(fn(q, k, v))
-        for opts in BACKWARDS.values():
-            fn = mosaic(case, FORWARDS["overlap"], opts)
+        for bwd in BACKWARDS.values():
+            fn = mosaic(case, FORWARDS["step"], bwd)
+            if fn is None:
+                continue
             jax.block_until_ready(fn(q, k, v, do))
             jax.block_until_ready(fn(q, k, v, do))
 
@@ -156,17 +184,19 @@ def profile(cases: list[Case]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES, help="BxSxHxD[xKVH... as attention.py]")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=30, help="timed calls per implementation")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds they split into")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args()
-    shapes = "1x256x2x64" if args.cpu_smoke else args.shapes
+    shapes = "1x256x2x128" if args.cpu_smoke else args.shapes
     cases = [
         Case(b, s, h, kvh, d, causal)
         for b, s, h, kvh, d in parse_shapes(shapes)
-        for causal in (False, True)
+        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     ]
     if args.profile:
         profile(cases)

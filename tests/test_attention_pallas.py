@@ -426,25 +426,26 @@ def test_mosaic_backward_in_gpu_interpreter(name):
     _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
 
 
-# The fused backward (dQ added into a float32 accumulator; in the interpreter by read-modify-write,
-# on the GPU by TMA reduce-add): two warpgroups adding into the same dQ rows, several key tiles and
-# GQA heads adding into one accumulator, causal skips, ragged tails.
+# The fused backward (each warpgroup adds its half of every dQ block into a float32 accumulator; in
+# the interpreter by read-modify-write, on the GPU by TMA reduce-add): both halves over both
+# warpgroups' keys, several key tiles and GQA heads adding into one accumulator, causal blocks one
+# warpgroup cannot see, ragged tails. Its one shape: head dim padded to 128, 64 x 128 blocks.
 MOSAIC_FUSED_CASES = {
-    "causal_gqa_ragged_d64": (
-        Case(seq_q=200, seq_k=200, heads=4, kv_heads=2, dim=64, dtype=jnp.bfloat16, causal=True),
-        _fused_bwd(128, 128),
+    "causal_gqa_ragged": (
+        Case(seq_q=200, seq_k=200, heads=4, kv_heads=2, dim=128, dtype=jnp.bfloat16, causal=True),
+        _fused_bwd(64, 128),
     ),
-    "gqa_d128_ragged": (
+    "gqa_ragged": (
         Case(seq_q=136, seq_k=200, heads=2, kv_heads=1, dim=128, dtype=jnp.float16),
         _fused_bwd(64, 128),
     ),
     "causal_q_longer_d80": (  # padded head dim; early rows see no key (lse = -inf)
         Case(seq_q=190, seq_k=100, dim=80, dtype=jnp.bfloat16, causal=True),
-        _fused_bwd(64, 64, stages=3),
+        _fused_bwd(64, 128),
     ),
-    "causal_k_longer_batch2": (
-        Case(batch=2, seq_q=100, seq_k=256, dim=64, dtype=jnp.float16, causal=True),
-        _fused_bwd(128, 64, stages=3),
+    "causal_k_longer_batch2_d96": (
+        Case(batch=2, seq_q=100, seq_k=256, dim=96, dtype=jnp.float16, causal=True),
+        _fused_bwd(64, 128, stages=3),
     ),
 }
 
@@ -469,16 +470,17 @@ def test_mosaic_backward_choice():
         _, bp = _pallas_mosaic.heuristic(shape(d))
         assert bp.variant == "mosaic"  # until the fused one is measured on a GPU
         cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
-        assert {bp.variant for bp in cands} == {"mosaic", "mosaic_fused", None}
+        fused = {"mosaic_fused"} if d > 64 else set()  # its one head dim: 128 after padding
+        assert {bp.variant for bp in cands} == {"mosaic", None} | fused
 
         def blocks(variant, cands=cands):
             return {(bp.kv_blocksize, bp.num_stages) for bp in cands if bp.variant == variant}
 
         assert blocks("mosaic") == {(64, 2), (64, 3), (128, 2), (128, 3)}
-        assert blocks("mosaic_fused") == {(64, 3), (128, 2)}
+        assert blocks("mosaic_fused") == ({(128, 2)} if fused else set())
         for bp in cands:
-            if bp.variant == "mosaic_fused":  # the float32 dQ block fits beside dK and dV
-                assert bp.q_blocksize * -(-d // 64) * 64 <= 64 * 128
+            if bp.variant == "mosaic_fused":
+                assert bp.q_blocksize == 64
     _, bp = _pallas_mosaic.heuristic(shape(256))
     assert bp.variant is None
     assert all(bp.variant is None for _, bp in _pallas_mosaic.candidates(shape(256)))
@@ -501,12 +503,20 @@ def test_mosaic_backward_refuses():
     bwd(BwdParams(q_blocksize=32, kv_blocksize=32))  # the Triton-lowering backward takes it
     with pytest.raises(ValueError, match="variant"):
         bwd(BwdParams(variant="cuda"))
-    with pytest.raises(NotImplementedError, match="q_blocksize=128"):
-        d128 = Case(dtype=jnp.bfloat16, dim=128, seq_q=128, seq_k=128)
-        z = jax.eval_shape(lambda: _inputs(d128, 0))
-        f = functools.partial(_pallas_mosaic.bwd, spec=d128.spec, params=_fused_bwd(128, 64))
-        lse128 = jax.ShapeDtypeStruct((d128.batch, d128.heads, d128.seq_q), jnp.float32)
-        jax.eval_shape(f, z["q"], z["k"], z["v"], *args[3:], z["q"], lse128, z["q"])
+    # The fused backward's one shape: head dim padded to 128, 64 query by 128 key rows.
+    for dim, fused_blocks, match in (
+        (128, (128, 128), "q_blocksize=128"),
+        (128, (64, 64), "kv_blocksize=64"),
+        (64, (64, 128), "head_dim=64"),
+    ):
+        with pytest.raises(NotImplementedError, match=match):
+            other = Case(dtype=jnp.bfloat16, dim=dim, seq_q=128, seq_k=128)
+            z = jax.eval_shape(lambda other=other: _inputs(other, 0))
+            f = functools.partial(
+                _pallas_mosaic.bwd, spec=other.spec, params=_fused_bwd(*fused_blocks)
+            )
+            lse128 = jax.ShapeDtypeStruct((other.batch, other.heads, other.seq_q), jnp.float32)
+            jax.eval_shape(f, z["q"], z["k"], z["v"], *args[3:], z["q"], lse128, z["q"])
     with pytest.raises(ValueError, match="kv_blocksize=256"):
         small = Case(dtype=jnp.bfloat16, dim=64)
         y = jax.eval_shape(lambda: _inputs(small, 0))
@@ -542,7 +552,7 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     shape = AttentionShape.of(x["q"], x["k"], case.spec)
     bwds = [bp for _, bp in _pallas_mosaic.candidates(shape) if bp.variant == "mosaic_fused"]
-    assert len(bwds) == 2
+    assert len(bwds) == (1 if case.dim == 128 else 0)
     mesh = AbstractMesh((1,), ("x",), abstract_device=H100)
     for bp in bwds:
         b = functools.partial(_pallas_mosaic.bwd, spec=case.spec, params=bp, interpret=False)

@@ -550,15 +550,12 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
                 if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
                     bwds.append(bp)
-        for key_rows, stages in ((128, 2), (64, 3)):
-            bp = dataclasses.replace(
-                base,
-                kv_blocksize=key_rows,
-                num_stages=stages,
-                variant=_pallas_mosaic_bwd.FUSED_VARIANT,
-            )
-            if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
-                bwds.append(bp)
+        fused = dataclasses.replace(
+            base, q_blocksize=64, kv_blocksize=128, num_stages=2,
+            variant=_pallas_mosaic_bwd.FUSED_VARIANT,
+        )  # fmt: skip
+        if 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused):
+            bwds.append(fused)
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
         if (heur[0], bp) not in out:

@@ -85,9 +85,7 @@ BLOCKS = (64, 128)
 SMEM_LIMIT = 232448 - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-# The fused kernel's dQ block (bq x D float32) is a third accumulator beside dK and dV: at most 64
-# registers per thread, so bq * D <= 64 * 128.
-_FUSED_DQ_ELEMS = WG_ROWS * MAX_HEAD_DIM
+FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
 MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 
 
@@ -107,12 +105,15 @@ def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
 
 
 def _fused_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
-    """The dK/dV kernel's, and per warpgroup dS^T (16-bit) and a float32 dQ block for the reduce."""
-    return (
-        _dkdv_smem_bytes(d, key_rows, bq, slots)
-        + key_rows * bq * 2
-        + key_rows // WG_ROWS * bq * d * 4
-    )
+    """The dK/dV kernel's, the tile's dS^T (16-bit) twice over, and per warpgroup its float32 half of
+    a dQ block on its way out."""
+    return _dkdv_smem_bytes(d, key_rows, bq, slots) + 2 * key_rows * bq * 2 + bq * d * 4
+
+
+def _fused_shape_ok(d: int, bq: int, key_rows: int) -> bool:
+    """The fused kernel's one shape: two warpgroups of keys, each taking a 64 x 64 float32 half of
+    a 64 x 128 dQ block (beside dK and dV: 160 accumulator registers a thread)."""
+    return (d, bq, key_rows) == (FUSED_HEAD_DIM, WG_ROWS, 2 * WG_ROWS)
 
 
 def _dq_smem_bytes(d: int, bk: int, slots: int) -> int:
@@ -138,7 +139,7 @@ def supports(head_dim: int, params: BwdParams) -> bool:
     if params.kv_blocksize not in BLOCKS or params.q_blocksize not in BLOCKS:
         return False
     if params.variant == FUSED_VARIANT:
-        if params.q_blocksize * d > _FUSED_DQ_ELEMS:
+        if not _fused_shape_ok(d, params.q_blocksize, params.kv_blocksize):
             return False
         fits = functools.partial(_fused_smem_bytes, d, params.kv_blocksize, params.q_blocksize)
         return bool(_ring(2, lambda s: fits(s) <= SMEM_LIMIT))
@@ -274,16 +275,6 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
-def _product(a: Any, b: Any, shape: tuple[int, int]) -> Any:
-    """``a @ b`` of two shared memory operands, in float32 registers."""
-
-    def run(acc: Any) -> Any:
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
-
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
-
-
 def meeting(schedule: Any, on: bool) -> Callable[[], None]:
     """A meeting point of a CTA's two compute warpgroups on the ``schedule`` barrier (a no-op if not
     ``on``). One warpgroup starts a meeting ahead and the other ends one behind, so that between two
@@ -312,7 +303,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     p_stage = None if g.registers_a else next(rest)
     ds_stage = next(rest) if g.fused or not g.registers_a else None
     dq_stage = next(rest) if g.fused else None
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *acc_ready = ready
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *fused_ready = ready
     ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
     b = lax.axis_index("batch")
     kvh = lax.axis_index("heads")
@@ -322,7 +313,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     per_head = g.q_blocks - first  # query blocks streamed for each head of the group
     total = per_head * g.group
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
-    meet = meeting(schedule, g.pingpong and g.key_wgs == 2)
+    meet = meeting(schedule, g.pingpong and g.key_wgs == 2 and not g.fused)
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
@@ -334,35 +325,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
         own_first = g.first_q_block(key_base)
         own_full = g.first_full_q_block(key_base, own_first)
+        if g.fused:  # every warpgroup's dQ product reads all the tile's keys
+            # Blocks this warpgroup's keys do not see are masked steps here (P = 0): each block's
+            # dQ needs both warpgroups' dS.
+            own_first = first
+            _wait_all((k_ready,), 1 - wg)
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         shape = (WG_ROWS, bq)
 
-        def add_dq(qb: Any, h: Any) -> None:
-            # This block's dQ, dS K (scaled in XLA), added into the float32 accumulator. Padded keys
-            # need no mask: their K rows are zero.
-            dq = _product(ds_stage.at[wg].transpose((1, 0)), k_own, (bq, g.dpad))
-            rows = pl.ds(qb * bq, bq)
-            dq_own = dq_stage.at[wg]
-            if g.tma_reduce:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read dq_own
-                dq_own[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_own, dq_acc.at[b, rows, h], reduction_op="add")
-                return
-            # Mosaic GPU's interpreter has no TMA reduce: read, add and write back this warpgroup's
-            # own accumulator (CTAs run one after another there, so no other writer interleaves).
-            dst = dq_acc.at[wg, b, rows, h]
-            plgpu.copy_gmem_to_smem(dst, dq_own, acc_ready[0].at[wg])
-            plgpu.barrier_wait(acc_ready[0].at[wg])
-            dq_own[...] = dq_own[...] + dq
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dq_own, dst)
-            plgpu.wait_smem_to_gmem(0)
-
-        def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
-            dk, dv = carry
-            slot = lax.rem(base + qb, jnp.int32(slots))
+        def scores(slot: Any, qb: Any, masked: bool) -> tuple[Any, Any]:
+            """P^T and dS^T (16-bit) of this warpgroup's keys and query block ``qb``."""
             q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(do_ready.at[slot])
@@ -379,19 +352,77 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
             plgpu.barrier_wait(delta_ready.at[slot])
             delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))).astype(dtype)
-            if g.fused and g.registers_a:  # the dQ product's left operand (dS = (dS^T)^T)
-                ds_stage.at[wg][...] = ds_t
-                plgpu.commit_smem()
+            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+            return p_t.astype(dtype), ds_t.astype(dtype)
+
+        def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
+            dk, dv = carry
+            slot = lax.rem(base + qb, jnp.int32(slots))
+            p_t, ds_t = scores(slot, qb, masked)
             own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
             meet()
             dv, dk = _accumulate(
-                g, (dv, dk), (p_t.astype(dtype), ds_t), (do_blk, q_blk), own_staging
+                g, (dv, dk), (p_t, ds_t), (do_ring.at[slot], q_ring.at[slot]), own_staging
             )
             plgpu.barrier_arrive(consumed.at[slot])
-            if g.fused:
-                add_dq(qb, h)
             return dk, dv
+
+        def fused_step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
+            # dV and dK as in ``step``, and this warpgroup's half of the block's dQ = dS K (its
+            # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory),
+            # the three products in flight together; the half then goes out by TMA reduce-add.
+            dk, dv = carry
+            t = base + qb
+            slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
+            p_t, ds_t = scores(slot, qb, masked)
+            ds_stage.at[buf, wg][...] = ds_t
+            if not g.registers_a:
+                p_stage.at[wg][...] = p_t
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(fused_ready[0].at[buf])
+            cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
+
+            def products(dv_ref: Any, dk_ref: Any, dq_ref: Any) -> tuple[Any, Any, Any]:
+                if g.registers_a:  # accumulate onto dV and dK; the interpreter adds afterwards
+                    dv_ref[...], dk_ref[...] = dv, dk
+                    plgpu.wgmma(dv_ref, p_t, do_ring.at[slot])
+                    plgpu.wgmma(dk_ref, ds_t, q_ring.at[slot])
+                else:
+                    plgpu.wgmma(dv_ref, p_stage.at[wg], do_ring.at[slot])
+                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
+                plgpu.barrier_wait(fused_ready[0].at[buf])  # the other half of dS^T is stored
+                for w in range(g.key_wgs):
+                    ds = ds_stage.at[buf, w].transpose((1, 0))
+                    plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
+                return dv_ref[...], dk_ref[...], dq_ref[...]
+
+            half = (bq, g.dpad // 2)
+            dv_new, dk_new, dq = pl.run_scoped(
+                products,
+                plgpu.ACC(dv.shape, jnp.float32),
+                plgpu.ACC(dk.shape, jnp.float32),
+                plgpu.ACC(half, jnp.float32),
+            )
+            if not g.registers_a:
+                dv_new, dk_new = dv + dv_new, dk + dk_new
+            plgpu.barrier_arrive(consumed.at[slot])
+            dq_own = dq_stage.at[wg]
+            dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
+            if g.tma_reduce:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read dq_own
+                dq_own[...] = dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
+            else:
+                # Mosaic GPU's interpreter has no TMA reduce: read, add and write back (CTAs run
+                # one after another there, and the warpgroups' columns are disjoint).
+                plgpu.copy_gmem_to_smem(dst, dq_own, fused_ready[1].at[wg])
+                plgpu.barrier_wait(fused_ready[1].at[wg])
+                dq_own[...] = dq_own[...] + dq
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(dq_own, dst)
+                plgpu.wait_smem_to_gmem(0)
+            return dk_new, dv_new
 
         def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
             # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
@@ -403,19 +434,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
+        body = fused_step if g.fused else step
+
         def head(i: Any, carry: Any) -> Any:
             base = i * per_head - first  # stream position of this head's block 0
             h = kvh * g.group + i
             lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
-            masked = functools.partial(step, base=base, h=h, masked=True)
+            masked = functools.partial(body, base=base, h=h, masked=True)
             carry = lax.fori_loop(own_first, own_full, masked, carry)
-            unmasked = functools.partial(step, base=base, h=h, masked=False)
+            unmasked = functools.partial(body, base=base, h=h, masked=False)
             return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
 
         zero = _acc(WG_ROWS, g.dpad)
         pl.when(wg == 1)(meet)
         dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
         pl.when(wg == 0)(meet)
+        if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
         k_own[...] = (dk * g.scale).astype(dtype)
         v_own[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -571,11 +607,12 @@ def _geom(
     bq = min(params.q_blocksize, _cdiv(seq_q, 64) * 64)
     key_rows = min(params.kv_blocksize, _cdiv(seq_k, 64) * 64)
     fused = params.variant == FUSED_VARIANT
-    if fused and bq * dpad > _FUSED_DQ_ELEMS:
+    if fused and not _fused_shape_ok(dpad, bq, key_rows):
         raise NotImplementedError(
-            f"the fused Mosaic GPU attention backward holds a q_blocksize x head_dim float32 dQ "
-            f"block in registers beside dK and dV: q_blocksize * padded head dim must be at most "
-            f"{_FUSED_DQ_ELEMS}; got q_blocksize={bq}, {head_dim=}"
+            f"the fused Mosaic GPU attention backward takes head dims padded to "
+            f"{FUSED_HEAD_DIM}, q_blocksize={WG_ROWS} and kv_blocksize={2 * WG_ROWS} (after "
+            f"short sequences shrink them); got {head_dim=}, q_blocksize={bq}, "
+            f"kv_blocksize={key_rows}"
         )
     smem_bytes = _fused_smem_bytes if fused else _dkdv_smem_bytes
     dkdv_slots = _ring(params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= SMEM_LIMIT)
@@ -660,23 +697,24 @@ def bwd(
     stage = plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)
     if not g.registers_a:  # staging for P^T
         kv_smem.append(stage)
-    if g.fused or not g.registers_a:  # dS^T: the dQ product's operand, or staging
+    if g.fused:  # the tile's dS^T, double-buffered: the dQ products' operand
+        kv_smem.append(plgpu.SMEM((2, g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED))
+        half = (g.key_wgs, g.bq, g.dpad // 2)  # each warpgroup's dQ half on its way out
+        kv_smem.append(plgpu.SMEM(half, jnp.float32, transforms=_TILED_F32))
+    elif not g.registers_a:  # staging for dS^T
         kv_smem.append(stage)
-    if g.fused:  # each warpgroup's float32 dQ block on its way to the accumulator
-        kv_smem.append(plgpu.SMEM((g.key_wgs, g.bq, g.dpad), jnp.float32, transforms=_TILED_F32))
     kv_ready = [
         *[plgpu.Barrier(num_barriers=g.key_wgs)] * 2,
         *[plgpu.Barrier(num_barriers=g.dkdv_slots)] * 4,
     ]
     dkdv_operands: tuple[Any, ...] = operands
     if g.fused:
-        # Zeros from XLA, passed as a mutable ref: the kernel writes it in place (an aliased
-        # output). The interpreter's read-modify-write gives each warpgroup its own copy.
-        acc_shape = (batch, g.sqp, heads, g.dpad)
-        if not g.tma_reduce:
-            acc_shape = (g.key_wgs, *acc_shape)
-            kv_ready.append(plgpu.Barrier(num_barriers=g.key_wgs))
-        dq_acc = jax.new_ref(jnp.zeros(acc_shape, jnp.float32))
+        # A dS^T buffer is stored by both warpgroups; and the interpreter's dQ read-modify-write.
+        kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=2))
+        kv_ready.append(plgpu.Barrier(num_barriers=g.key_wgs))
+        # Zeros from XLA, passed as a mutable ref: the kernel adds into it in place (an aliased
+        # output).
+        dq_acc = jax.new_ref(jnp.zeros((batch, g.sqp, heads, g.dpad), jnp.float32))
         dkdv_operands = (*operands, dq_acc)
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, g=g),
@@ -701,8 +739,6 @@ def bwd(
     dv = dv[:, :seq_k, :, :head_dim].astype(v.dtype)
     if g.fused:
         acc = jax.freeze(dq_acc)
-        if not g.tma_reduce:
-            acc = acc.sum(axis=0)
         return (acc[:, :seq_q, :, :head_dim] * g.scale).astype(dtype), dk, dv
 
     rows = Q_TILE_WGS * WG_ROWS
