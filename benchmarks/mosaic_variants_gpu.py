@@ -1,14 +1,14 @@
-"""Side-by-side timing of the Mosaic GPU kernels' schedules on a Hopper GPU, with cuDNN beside them.
+"""Side-by-side timing of the Mosaic GPU attention kernels' variants on a Hopper GPU, cuDNN beside them.
 
-Forward: ``overlap`` (a block's S = Q K^T issued with the previous block's P V, its softmax running
-while P V is on the tensor cores) against ``step`` (S, softmax, P V one after the other); both with
-the two compute warpgroups in ping-pong. Backward: the dK/dV and dQ kernels with their two compute
-warpgroups in ping-pong against without. Each variant is checked against cuDNN's output and
-gradients on the same inputs first (max relative error), then timed (median of ``--iters`` calls
-after warm-up, inputs alternating between two random sets); ratios are to cuDNN in this run.
+Forward: the Mosaic forward. Forward+backward: that forward with each Mosaic backward, ``split``
+(FlashAttention 3's dK/dV and dQ kernels, 7 matrix products per block pair) and ``fused`` (one
+kernel adding dQ by TMA reduce-add, 5 products). Each implementation is checked against cuDNN's
+output and gradients on the same inputs first (max relative error), then all are timed in
+interleaved rounds (so drifts of the machine's speed fall on all alike): medians of ``--iters``
+calls after warm-up, inputs alternating between two random sets; ratios are to cuDNN in this run.
 
-    python3 benchmarks/mosaic_schedules_gpu.py --out "$OUT"           # the table
-    python3 benchmarks/mosaic_schedules_gpu.py --profile              # each kernel twice, for ncu
+    python3 benchmarks/mosaic_variants_gpu.py --out "$OUT"           # the table
+    python3 benchmarks/mosaic_variants_gpu.py --profile              # each kernel twice, for ncu
 
 ``--cpu-smoke`` runs one tiny shape in Mosaic GPU's interpreter (no cuDNN, no timing), to check the
 script without a GPU.
@@ -44,11 +44,10 @@ from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
 SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x8"
-FORWARDS = {"step": dict(overlap=False), "overlap": dict(overlap=True)}
+FORWARDS: dict[str, dict[str, Any]] = {"mosaic": {}}
 FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosaic_fused")
-BACKWARDS = {  # name -> (BwdParams or None for the heuristic's, options)
-    "split": (None, dict(pingpong=False)),
-    "split pingpong": (None, dict(pingpong=True)),
+BACKWARDS = {  # name -> (BwdParams, or None for the heuristic's; options)
+    "split": (None, {}),
     "fused": (FUSED, {}),
 }
 
@@ -117,10 +116,10 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
         impls = {"cudnn": cudnn(case, backward)}
         if backward:
             for name, bwd in BACKWARDS.items():
-                impls[f"mosaic step + {name}"] = mosaic(case, FORWARDS["step"], bwd)
+                impls[f"mosaic + {name}"] = mosaic(case, FORWARDS["mosaic"], bwd)
         else:
             for name, opts in FORWARDS.items():
-                impls[f"mosaic {name}"] = mosaic(case, opts, None)
+                impls[name] = mosaic(case, opts, None)
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
         timed: dict[str, list[float]] = {}
@@ -174,7 +173,7 @@ def profile(cases: list[Case]) -> None:
             jax.block_until_ready(fn(q, k, v))
             jax.block_until_ready(fn(q, k, v))
         for bwd in BACKWARDS.values():
-            fn = mosaic(case, FORWARDS["step"], bwd)
+            fn = mosaic(case, FORWARDS["mosaic"], bwd)
             if fn is None:
                 continue
             jax.block_until_ready(fn(q, k, v, do))
@@ -217,7 +216,7 @@ def main() -> int:
         out.mkdir(parents=True, exist_ok=True)
         kind = jax.devices()[0].device_kind.replace(" ", "_")
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = out / f"mosaic_schedules_{kind}_{stamp}.json"
+        path = out / f"mosaic_variants_{kind}_{stamp}.json"
         path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
         print("saved", path.name)
     failed = [r for r in rows if "error" in r or not r.get("max_rel_err_vs_cudnn", 1) < 5e-2]

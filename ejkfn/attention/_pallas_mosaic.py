@@ -50,7 +50,6 @@ from ._pallas_mosaic_bwd import (
     SMEM_LIMIT,
     WG_ROWS,
     compute_registers,
-    meeting,
 )
 from ._spec import AttentionSpec
 
@@ -111,7 +110,6 @@ class _Geom:
     slots: int
     fused_pv: bool = True
     pingpong: bool = True
-    overlap: bool = True  # a block's S beside the previous block's P V (else one after the other)
 
     @property
     def offset(self) -> int:
@@ -122,12 +120,11 @@ class _Geom:
         return -(-self.seq_k // self.bk)
 
     def steps(self, last_row: Any) -> Any:
-        """Key blocks that rows up to ``last_row`` see; at least block 0, which masking empties for
-        rows that see no key, so every warpgroup has a first and a last block."""
+        """Key blocks that rows up to ``last_row`` see."""
         last = jnp.int32(self.seq_k - 1)
         if self.causal:
             last = jnp.minimum(last, last_row + self.offset)
-        return jnp.maximum(lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk), 1)
+        return lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
 
     def full_steps(self, first_row: Any, steps: Any) -> Any:
         """Leading key blocks fully visible to every row from ``first_row`` on (no mask needed)."""
@@ -154,7 +151,12 @@ def _fwd_kernel(
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
 
-    rendezvous = meeting(schedule, g.pingpong)  # warpgroup 1 starts one meeting ahead
+    def rendezvous() -> None:
+        # Both compute warpgroups meet here. Warpgroup 1 starts one meeting ahead, so each one's
+        # softmax runs while the other's matrix products use the tensor cores (ping-pong).
+        if g.pingpong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
 
     def wait_values(slot: Any) -> None:
         if g.pingpong:  # arrive first: the other warpgroup may go on to its products meanwhile
@@ -174,8 +176,18 @@ def _fwd_kernel(
         plgpu.barrier_wait(q_ready.at[wg])
         pl.when(wg == 1)(rendezvous)
 
-        def softmax(s: Any, kv: Any, m: Any, den: Any, masked: bool) -> tuple[Any, ...]:
-            """The online softmax of block ``kv``'s scores: ``(P in 16 bits, alpha, max, sum)``."""
+        def step(kv: Any, carry: Any, masked: bool) -> Any:
+            acc, m, den = carry
+            slot = slot_of(kv)
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref: Any) -> Any:
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                rendezvous()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+            plgpu.barrier_arrive(k_used.at[slot])
             s = s * (g.scale * LOG2E)
             if masked:
                 shape = (WG_ROWS, bk)
@@ -189,78 +201,29 @@ def _fwd_kernel(
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            return p.astype(dtype), alpha, m_new, den * alpha + p.sum(axis=1)
+            den = den * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p16 = p.astype(dtype)
+            wait_values(slot)
 
-        def rescale(acc: Any, alpha: Any) -> Any:
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if g.fused_pv:  # accumulate onto the rescaled output in the wgmma accumulator
 
-        def scores(slot: Any) -> Any:
-            """S = Q K^T of the block in ``slot``, alone (the next meeting while it runs)."""
+                def pv(acc_ref: Any) -> None:
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-            def qk(s_ref: Any) -> Any:
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                rendezvous()
-                return s_ref[...]
-
-            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
-            plgpu.barrier_arrive(k_used.at[slot])
-            return s
-
-        def issue_pv(acc_ref: Any, acc: Any, p16: Any, slot: Any) -> None:
-            """Start ``acc_ref = acc + P V`` (the interpreter: ``acc_ref = P V``, P via shared memory,
-            its wgmma taking operands only from there)."""
-            if g.fused_pv:
-                acc_ref[...] = acc
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            else:  # the interpreter's wgmma takes operands from shared memory, without run_state
                 p_smem = smem[4].at[wg]
                 p_smem[...] = p16
                 plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
 
-        def added_pv(acc_ref: Any, acc: Any, slot: Any) -> Any:
-            pv = acc_ref[...]  # waits for every product in flight
+                def pv_alone(acc_ref: Any) -> Any:
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32))
             plgpu.barrier_arrive(v_used.at[slot])
-            return pv if g.fused_pv else acc + pv
-
-        def step(kv: Any, carry: Any, masked: bool) -> Any:
-            """Block ``kv`` start to end: S, softmax, rescale, then P V (the warpgroup idles
-            while its own products run; the other warpgroup's work fills the gap)."""
-            acc, m, den = carry
-            slot = slot_of(kv)
-            plgpu.barrier_wait(k_ready.at[slot])
-            p16, alpha, m, den = softmax(scores(slot), kv, m, den, masked)
-            acc = rescale(acc, alpha)
-            wait_values(slot)
-
-            def pv(acc_ref: Any) -> Any:
-                issue_pv(acc_ref, acc, p16, slot)
-                return added_pv(acc_ref, acc, slot)
-
-            return pl.run_scoped(pv, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32)), m, den
-
-        def overlapped(kv: Any, carry: Any, masked: bool) -> Any:
-            """S of block ``kv`` and P V of block ``kv - 1`` issued together; the softmax of S
-            runs while P V still holds the tensor cores (FlashAttention 3's intra-warpgroup
-            overlap). The carry holds the output rescaled to the running max and the previous
-            block's P."""
-            acc, p16, m, den = carry
-            s_slot, v_slot = slot_of(kv), slot_of(kv - 1)
-            plgpu.barrier_wait(k_ready.at[s_slot])
-            wait_values(v_slot)
-
-            def products(acc_ref: Any, s_ref: Any) -> tuple[Any, ...]:
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[s_slot].transpose((1, 0)))
-                issue_pv(acc_ref, acc, p16, v_slot)
-                rendezvous()
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S done, P V in flight
-                plgpu.barrier_arrive(k_used.at[s_slot])
-                p16_new, alpha, m_new, den_new = softmax(s, kv, m, den, masked)
-                acc_new = rescale(added_pv(acc_ref, acc, v_slot), alpha)
-                return acc_new, p16_new, m_new, den_new
-
-            acc_shape = plgpu.ACC((WG_ROWS, g.dpad), jnp.float32)
-            return pl.run_scoped(products, acc_shape, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+            return acc, m_new, den
 
         def acknowledge(kv: Any, carry: Any) -> Any:
             # Blocks only the other warpgroup needs: wait for each copy before releasing its slot,
@@ -273,36 +236,15 @@ def _fwd_kernel(
             plgpu.barrier_arrive(v_used.at[slot])
             return carry
 
-        zeros = plgpu.layout_cast(jnp.full((WG_ROWS, g.dpad), 0, jnp.float32), plgpu.Layout.WGMMA)
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        m0 = plgpu.layout_cast(jnp.full((WG_ROWS,), _FINITE_FLOOR, jnp.float32), row_layout)
-        den0 = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), row_layout)
-        if g.overlap:
-            # Block 0 alone (masked whatever it holds: one block), then one block's S beside the
-            # previous one's P V, then the last P V alone.
-            plgpu.barrier_wait(k_ready.at[0])
-            p16, _, m, den = softmax(scores(jnp.int32(0)), jnp.int32(0), m0, den0, masked=True)
-            first_masked = jnp.maximum(full, 1)
-            carry = (zeros, p16, m, den)
-            carry = lax.fori_loop(
-                1, first_masked, functools.partial(overlapped, masked=False), carry
-            )
-            carry = lax.fori_loop(
-                first_masked, steps, functools.partial(overlapped, masked=True), carry
-            )
-            acc, p16, m, den = carry
-            last = slot_of(steps - 1)
-            wait_values(last)
-
-            def last_pv(acc_ref: Any) -> Any:
-                issue_pv(acc_ref, acc, p16, last)
-                rendezvous()
-                return added_pv(acc_ref, acc, last)
-
-            acc = pl.run_scoped(last_pv, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32))
-        else:
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), (zeros, m0, den0))
-            acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+        carry = (
+            plgpu.layout_cast(jnp.full((WG_ROWS, g.dpad), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(
+                jnp.full((WG_ROWS,), _FINITE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            ),
+            plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+        )
+        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+        acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
         lax.fori_loop(steps, cta_steps, acknowledge, None)
         pl.when(wg == 0)(rendezvous)
 
@@ -384,7 +326,6 @@ def _forward(
     params: FwdParams | None,
     interpret: bool | None,
     pingpong: bool = True,
-    overlap: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -404,7 +345,6 @@ def _forward(
         slots=max(2, params.num_stages),
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
-        overlap=overlap,
     )
     sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
     skp = -(-seq_k // bk) * bk

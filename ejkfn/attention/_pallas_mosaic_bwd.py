@@ -68,7 +68,6 @@ __all__ = [
     "WG_ROWS",
     "bwd",
     "compute_registers",
-    "meeting",
     "supports",
 ]
 
@@ -166,7 +165,6 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
-    pingpong: bool = True  # two compute warpgroups take turns on the tensor cores
 
     @property
     def offset(self) -> int:
@@ -230,16 +228,12 @@ def _iota(shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _two_products(
-    a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int], meet: Callable[[], None]
-) -> tuple[Any, Any]:
-    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once;
-    ``meet()`` runs while they are in flight."""
+def _two_products(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple[Any, Any]:
+    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once."""
 
     def both(acc0: Any, acc1: Any) -> tuple[Any, Any]:
         plgpu.wgmma(acc0, a0, b0)
         plgpu.wgmma(acc1, a1, b1)
-        meet()
         return acc0[...], acc1[...]
 
     acc = plgpu.ACC(shape, jnp.float32)
@@ -275,20 +269,6 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
-def meeting(schedule: Any, on: bool) -> Callable[[], None]:
-    """A meeting point of a CTA's two compute warpgroups on the ``schedule`` barrier (a no-op if not
-    ``on``). One warpgroup starts a meeting ahead and the other ends one behind, so that between two
-    meetings one does its elementwise work while the other's matrix products hold the tensor cores
-    (ping-pong), where without it both would reach their softmax together and leave them idle."""
-
-    def meet() -> None:
-        if on:
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
-
-    return meet
-
-
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
     for barrier in barriers:
         plgpu.barrier_wait(barrier.at[slot])
@@ -297,7 +277,7 @@ def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
     # The fused kernel takes the float32 dQ accumulator as a further (aliased) input.
     dq_acc = refs[0] if g.fused else None
-    dk_ref, dv_ref, smem, ready, consumed, schedule = refs[1:] if g.fused else refs
+    dk_ref, dv_ref, smem, ready, consumed = refs[1:] if g.fused else refs
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *extra = smem
     rest = iter(extra)
     p_stage = None if g.registers_a else next(rest)
@@ -313,7 +293,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     per_head = g.q_blocks - first  # query blocks streamed for each head of the group
     total = per_head * g.group
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
-    meet = meeting(schedule, g.pingpong and g.key_wgs == 2 and not g.fused)
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
@@ -340,7 +319,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_wait(q_ready.at[slot])
             plgpu.barrier_wait(do_ready.at[slot])
             s_t, dp_t = _two_products(
-                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape, meet
+                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
             )
             s_t = s_t * (g.scale * LOG2E)
             if masked:
@@ -360,7 +339,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             slot = lax.rem(base + qb, jnp.int32(slots))
             p_t, ds_t = scores(slot, qb, masked)
             own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
-            meet()
             dv, dk = _accumulate(
                 g, (dv, dk), (p_t, ds_t), (do_ring.at[slot], q_ring.at[slot]), own_staging
             )
@@ -382,28 +360,29 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_arrive(fused_ready[0].at[buf])
             cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
 
-            def products(dv_ref: Any, dk_ref: Any, dq_ref: Any) -> tuple[Any, Any, Any]:
-                if g.registers_a:  # accumulate onto dV and dK; the interpreter adds afterwards
-                    dv_ref[...], dk_ref[...] = dv, dk
-                    plgpu.wgmma(dv_ref, p_t, do_ring.at[slot])
-                    plgpu.wgmma(dk_ref, ds_t, q_ring.at[slot])
-                else:
-                    plgpu.wgmma(dv_ref, p_stage.at[wg], do_ring.at[slot])
-                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
+            def products(refs: Any) -> None:
+                dv_ref, dk_ref, dq_ref = refs
+                # dK's dS^T from shared memory, where it is anyway: fewer registers held in flight
+                # (P^T from there too measured slower and spilled more).
+                plgpu.wgmma(dv_ref, p_t if g.registers_a else p_stage.at[wg], do_ring.at[slot])
+                plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
                 plgpu.barrier_wait(fused_ready[0].at[buf])  # the other half of dS^T is stored
                 for w in range(g.key_wgs):
                     ds = ds_stage.at[buf, w].transpose((1, 0))
                     plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
-                return dv_ref[...], dk_ref[...], dq_ref[...]
 
-            half = (bq, g.dpad // 2)
-            dv_new, dk_new, dq = pl.run_scoped(
-                products,
-                plgpu.ACC(dv.shape, jnp.float32),
-                plgpu.ACC(dk.shape, jnp.float32),
-                plgpu.ACC(half, jnp.float32),
-            )
-            if not g.registers_a:
+            dq0 = _acc(bq, g.dpad // 2)
+            if g.registers_a:  # onto the accumulators themselves
+                accs = tuple(plgpu.ACC.init(x) for x in (dv, dk, dq0))
+                dv_new, dk_new, dq = pl.run_state(products)(accs)
+            else:  # the interpreter: no run_state with accumulators; add afterwards
+
+                def scoped(*refs: Any) -> tuple[Any, ...]:
+                    products(refs)
+                    return tuple(r[...] for r in refs)
+
+                shapes = [plgpu.ACC(x.shape, jnp.float32) for x in (dv, dk, dq0)]
+                dv_new, dk_new, dq = pl.run_scoped(scoped, *shapes)
                 dv_new, dk_new = dv + dv_new, dk + dk_new
             plgpu.barrier_arrive(consumed.at[slot])
             dq_own = dq_stage.at[wg]
@@ -429,8 +408,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             # and release the slot.
             slot = lax.rem(base + qb, jnp.int32(slots))
             _wait_all(ring_ready, slot)
-            meet()
-            meet()
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
@@ -446,12 +423,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
 
         zero = _acc(WG_ROWS, g.dpad)
-        pl.when(wg == 1)(meet)
         dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
-        pl.when(wg == 0)(meet)
         if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+            plgpu.barrier_arrive(fused_ready[2])
+            plgpu.barrier_wait(fused_ready[2])
         k_own[...] = (dk * g.scale).astype(dtype)
         v_own[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -502,7 +477,7 @@ def _feed(slots: int, total: Any, fetch: Any, consumed: Any) -> None:
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, schedule, *, g
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, *, g
 ) -> None:
     q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
     q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready = ready
@@ -515,7 +490,6 @@ def _dq_kernel(
     tile_base = tile * (Q_TILE_WGS * WG_ROWS)
     cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
     bk, slots, dtype = g.bk, g.dq_slots, q_ref.dtype
-    meet = meeting(schedule, g.pingpong)
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
@@ -541,7 +515,7 @@ def _dq_kernel(
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
             s, dp = _two_products(
-                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape, meet
+                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
             )
             s = s * (g.scale * LOG2E)
             if masked:
@@ -553,7 +527,6 @@ def _dq_kernel(
             p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
             ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
             own_staging = tuple(s_.at[wg] for s_ in staging)
-            meet()
             (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
             plgpu.barrier_arrive(consumed.at[slot])
             return dq
@@ -561,16 +534,12 @@ def _dq_kernel(
         def acknowledge(kv: Any, carry: Any) -> Any:
             slot = lax.rem(kv, jnp.int32(slots))
             _wait_all((k_ready, v_ready), slot)
-            meet()
-            meet()
             plgpu.barrier_arrive(consumed.at[slot])
             return carry
 
-        pl.when(wg == 1)(meet)
         dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _acc(WG_ROWS, g.dpad))
         dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
         lax.fori_loop(steps, cta_steps, acknowledge, None)
-        pl.when(wg == 0)(meet)
         q_own[...] = (dq * g.scale).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_own, dq_ref.at[b, rows, h])
@@ -589,9 +558,7 @@ def _dq_kernel(
         _feed(slots, cta_steps, fetch, consumed)
 
 
-def _geom(
-    q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool, pingpong: bool
-) -> _Geom:
+def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool) -> _Geom:
     _, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
     dpad = _cdiv(head_dim, 64) * 64
@@ -637,7 +604,6 @@ def _geom(
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
-        pingpong=pingpong,
     )
 
 
@@ -652,7 +618,6 @@ def bwd(
     spec: AttentionSpec,
     params: BwdParams,
     interpret: bool,
-    pingpong: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -668,7 +633,7 @@ def bwd(
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, pingpong)
+    g = _geom(q, k, spec, params, interpret)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
@@ -709,9 +674,11 @@ def bwd(
     ]
     dkdv_operands: tuple[Any, ...] = operands
     if g.fused:
-        # A dS^T buffer is stored by both warpgroups; and the interpreter's dQ read-modify-write.
+        # A dS^T buffer is stored by both warpgroups; the interpreter's dQ read-modify-write; K
+        # is read by both before dK overwrites it.
         kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=2))
         kv_ready.append(plgpu.Barrier(num_barriers=g.key_wgs))
+        kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs))
         # Zeros from XLA, passed as a mutable ref: the kernel adds into it in place (an aliased
         # output).
         dq_acc = jax.new_ref(jnp.zeros((batch, g.sqp, heads, g.dpad), jnp.float32))
@@ -726,7 +693,6 @@ def bwd(
             tuple(kv_smem),
             tuple(kv_ready),
             plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
-            plgpu.Barrier(num_arrivals=g.key_wgs),
         ),
         grid=(kv_heads, g.skp // g.key_rows, batch),
         grid_names=("heads", "k_tiles", "batch"),
@@ -763,7 +729,6 @@ def bwd(
             tuple(q_smem),
             q_ready,
             plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.dq_slots),
-            plgpu.Barrier(num_arrivals=Q_TILE_WGS),
         ),
         grid=(heads, g.sqp // rows, batch),
         grid_names=("heads", "q_tiles", "batch"),
