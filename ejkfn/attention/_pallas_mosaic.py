@@ -18,10 +18,11 @@ the kernel (pipeline, barriers, masking, bounds) being the code that runs on the
 
 Three backward passes take the natural-log ``lse`` this forward writes, chosen by
 ``BwdParams.variant``: ``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
-(FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ into a
-float32 accumulator by TMA reduce-add (no dQ kernel; not yet measured on a GPU); or ``None``, the
-Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The
-heuristic takes ``"mosaic"`` where it can; the tuner tries all three.
+(FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ
+into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128; slower on an H200, a
+tuner candidate); or ``None``, the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2
+without atomics, every head dim). The heuristic takes ``"mosaic"`` where it can; the tuner tries all
+three.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -44,13 +45,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._pallas_mosaic_bwd import (
-    LOG2E,
-    MEMORY_REGISTERS,
-    SMEM_LIMIT,
-    WG_ROWS,
-    compute_registers,
-)
+from ._pallas_mosaic_bwd import LOG2E, SMEM_LIMIT, WG_ROWS
 from ._spec import AttentionSpec
 
 __all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
@@ -58,7 +53,9 @@ __all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
 LN2 = math.log(2.0)
 COMPUTE_WGS = 2
 CTA_ROWS = WG_ROWS * COMPUTE_WGS
-COMPUTE_REGISTERS = compute_registers(COMPUTE_WGS)
+# Per-thread registers of the compute and memory warpgroups. The backward's 240/24 measured the same
+# within noise on an H200 (benchmarks/results/mosaic_forward_registers_ab_h200.txt).
+COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 _UNSUPPORTED = frozenset(
     {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
 )
@@ -472,7 +469,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     """Key blocks and ring depths that fit shared memory; backward: Mosaic blocks (64 or 128 key rows
     per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward (dQ by TMA
-    reduce-add; 128 key rows with 2 stages, 64 with 3), and the Triton-lowering candidates."""
+    reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), and the Triton-lowering
+    candidates."""
     d = _padded_head_dim(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]

@@ -13,14 +13,16 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 * dQ: one CTA per (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
   the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K.
 
-``"mosaic_fused"`` runs the dK/dV kernel alone: after dV and dK, each warpgroup stores dS^T to shared
-memory, forms the block's dQ = dS K (bq x D, float32, the third accumulator: ``q_blocksize`` times the
-head dim is at most 64 x 128), stores it to shared memory and adds it into a float32 dQ in global
-memory with a TMA reduce-add; XLA zeroes that accumulator before and scales and casts it after. Five
-matrix products per block pair instead of seven, for the cost of the float32 traffic; the order of
-the additions varies, so dQ's last bits do too.
+``"mosaic_fused"`` runs the dK/dV kernel alone (head dims padded to 128, 64 query rows by 128 keys):
+both warpgroups store their dS^T to a shared, double-buffered tile and meet on a barrier; each then
+issues dV += P^T dO, dK += dS^T Q and its own 64-column half of the block's dQ = dS K (over all 128
+keys) together, and adds that float32 half into a dQ accumulator in global memory with a TMA
+reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
+block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
+it measured slower than the split (see benchmarks/NOTES.md), so it is a tuner candidate only.
 
-Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal.
+Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal
+(the fused kernel masks instead of skipping: every block's dQ needs both warpgroups' dS).
 Warpgroups of one CTA share the stream, so a warpgroup acknowledges the blocks only its neighbour
 needs (it waits for each copy and releases the slot) and barrier phases stay in step. Sequences are
 padded to whole tiles: padded query rows get lse = +inf, hence P = 0; padded keys are masked in the
@@ -35,8 +37,8 @@ for them.
 On a CPU the kernels run in Mosaic GPU's interpreter, which takes wgmma operands only from shared
 memory and no accumulators through ``pl.run_state``: there P^T, dS^T and dS are stored to shared
 memory and each product is added to its accumulator in registers (``_Geom.registers_a`` off). It has
-no TMA reduce either: there the fused kernel reads, adds and writes back dQ, each warpgroup into its
-own copy (``_Geom.tma_reduce`` off). The rest (ring, barriers, masking, bounds) is the code that runs
+no TMA reduce either: there the fused kernel reads, adds and writes back its dQ half
+(``_Geom.tma_reduce`` off). The rest (ring, barriers, masking, bounds) is the code that runs
 on the GPU.
 """
 
@@ -61,13 +63,11 @@ __all__ = [
     "FUSED_VARIANT",
     "LOG2E",
     "MAX_HEAD_DIM",
-    "MEMORY_REGISTERS",
     "SMEM_LIMIT",
     "VARIANT",
     "VARIANTS",
     "WG_ROWS",
     "bwd",
-    "compute_registers",
     "supports",
 ]
 
@@ -85,13 +85,13 @@ SMEM_LIMIT = 232448 - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
-MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
+_MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 
 
-def compute_registers(compute_wgs: int) -> int:
+def _compute_registers(compute_wgs: int) -> int:
     """Per-thread registers of each compute warpgroup: the SM's 64 Ki registers (512 per thread of
     one warpgroup) less the memory warpgroup's, shared out, in multiples of 8, at most 256."""
-    return min(256, (512 - MEMORY_REGISTERS) // compute_wgs // 8 * 8)
+    return min(256, (512 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -296,7 +296,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
-        plgpu.set_max_registers(compute_registers(g.key_wgs), action="increase")
+        plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
         key_base = tile_base + wg * WG_ROWS
         keys = (b, pl.ds(key_base, WG_ROWS), kvh)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
@@ -436,7 +436,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
     @pl.when(wg == g.key_wgs)
     def _memory() -> None:
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
         def fetch(t: Any, slot: Any) -> None:
             blocks = jnp.maximum(per_head, 1)
@@ -493,7 +493,7 @@ def _dq_kernel(
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
-        plgpu.set_max_registers(compute_registers(Q_TILE_WGS), action="increase")
+        plgpu.set_max_registers(_compute_registers(Q_TILE_WGS), action="increase")
         row_base = tile_base + wg * WG_ROWS
         rows = pl.ds(row_base, WG_ROWS)
         q_own, do_own = q_smem.at[wg], do_smem.at[wg]
@@ -547,7 +547,7 @@ def _dq_kernel(
 
     @pl.when(wg == Q_TILE_WGS)
     def _memory() -> None:
-        plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
         kvh = lax.div(h, jnp.int32(g.group))
 
         def fetch(kv: Any, slot: Any) -> None:
