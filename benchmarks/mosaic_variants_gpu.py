@@ -17,7 +17,6 @@ script without a GPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -31,12 +30,12 @@ if "--cpu-smoke" in sys.argv:  # the interpreter needs host threads (see check_m
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, device_info, inputs, median_ms, parse_shapes
+from attention import Case, device_info, fwd_bwd, inputs, median_ms, parse_shapes
+from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
@@ -44,67 +43,29 @@ from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
 SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x8"
-FORWARDS: dict[str, dict[str, Any]] = {"mosaic": {}}
 FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosaic_fused")
-BACKWARDS = {  # name -> (BwdParams, or None for the heuristic's; options)
-    "split": (None, {}),
-    "fused": (FUSED, {}),
-}
+BACKWARDS = {"split": None, "fused": FUSED}  # None: the heuristic's backward (the split)
 
 
-def mosaic(case: Case, fwd_opts: dict[str, bool], bwd: tuple[BwdParams | None, dict] | None):
-    """(q, k, v[, do]) -> out, or (out, dq, dk, dv) with ``bwd``: the Mosaic kernels called
-    directly, so that schedule options the public API does not take can be set."""
-    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
-    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
-    fp, bp = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))
-    forward = functools.partial(
-        _pallas_mosaic._forward, spec=spec, params=fp, interpret=None, **fwd_opts
-    )
-    if bwd is None:
-        return jax.jit(lambda q, k, v: forward(q, k, v)[0])
-    bp, bwd_opts = bwd[0] or bp, bwd[1]
-    if not _pallas_mosaic_bwd.supports(case.dim, bp):
-        return None
+def implementations(case: Case, backward: bool) -> dict[str, Any]:
+    """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
+    cuDNN, and the Mosaic forward alone or with each Mosaic backward that takes the shape."""
 
-    interpret = jax.default_backend() == "cpu"
-
-    @jax.jit
-    def both(q, k, v, do):
-        out, lse = forward(q, k, v)
-        grads = _pallas_mosaic_bwd.bwd(
-            q, k, v, out, lse, do, spec=spec, params=bp, interpret=interpret, **bwd_opts
-        )
-        return (out, *grads)
-
-    return both
-
-
-def cudnn(case: Case, backward: bool):
-    def attn(q, k, v):
+    def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
         return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation=impl)
 
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
+    heuristic = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))[1]
     if not backward:
-        return jax.jit(attn)
-
-    @jax.jit
-    def both(q, k, v, do):
-        out, vjp = jax.vjp(attn, q, k, v)
-        return (out, *vjp(do))
-
-    return both
-
-
-def max_rel_err(got: Any, want: Any) -> float:
-    errs = []
-    for g, w in zip(got, want, strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        if not np.all(np.isfinite(g)):
-            return float("nan")
-        errs.append(float(np.max(np.abs(g - w)) / max(np.max(np.abs(w)), 1e-30)))
-    return max(errs)
+        return {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
+    impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
+    for name, bp in BACKWARDS.items():
+        if _pallas_mosaic_bwd.supports(case.dim, bp or heuristic):
+            impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp or heuristic, q, k)))
+    return impls
 
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -113,29 +74,18 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in (False, True):
         flops = case.flops(backward)
-        impls = {"cudnn": cudnn(case, backward)}
-        if backward:
-            for name, bwd in BACKWARDS.items():
-                impls[f"mosaic + {name}"] = mosaic(case, FORWARDS["mosaic"], bwd)
-        else:
-            for name, opts in FORWARDS.items():
-                impls[name] = mosaic(case, opts, None)
+        impls = implementations(case, backward)
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
         timed: dict[str, list[float]] = {}
         case_rows: dict[str, dict[str, Any]] = {}
         for name, fn in impls.items():
-            if fn is None:
-                continue
             row = case_rows[name] = dict(case=case.name, pass_="fwd+bwd" if backward else "fwd")
             row["impl"] = name
             try:
                 got = fn(*sets[0][:arity])
-                row["max_rel_err_vs_cudnn"] = (
-                    0.0
-                    if name == "cudnn"
-                    else max_rel_err(got if backward else (got,), want if backward else (want,))
-                )
+                pairs = zip(got, want, strict=True) if backward else [(got, want)]
+                row["max_rel_err_vs_cudnn"] = max(rel_err(g, w) for g, w in pairs)
                 if not args.cpu_smoke:
                     median_ms(fn, [s[:arity] for s in sets], args.warmup, 1)
                     timed[name] = []
@@ -164,20 +114,11 @@ def profile(cases: list[Case]) -> None:
     """Each kernel (cuDNN's and the Mosaic variants') twice after compiling, for a profiler
     wrapped around this process."""
     for case in cases:
-        q, k, v, do = inputs(case, 0)
-        for fn, args in ((cudnn(case, False), (q, k, v)), (cudnn(case, True), (q, k, v, do))):
-            jax.block_until_ready(fn(*args))
-            jax.block_until_ready(fn(*args))
-        for opts in FORWARDS.values():
-            fn = mosaic(case, opts, None)
-            jax.block_until_ready(fn(q, k, v))
-            jax.block_until_ready(fn(q, k, v))
-        for bwd in BACKWARDS.values():
-            fn = mosaic(case, FORWARDS["mosaic"], bwd)
-            if fn is None:
-                continue
-            jax.block_until_ready(fn(q, k, v, do))
-            jax.block_until_ready(fn(q, k, v, do))
+        args = inputs(case, 0)
+        for backward in (False, True):
+            for fn in implementations(case, backward).values():
+                for _ in range(2):
+                    jax.block_until_ready(fn(*args[: 4 if backward else 3]))
 
 
 def main() -> int:

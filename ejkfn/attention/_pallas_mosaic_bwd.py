@@ -283,7 +283,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     p_stage = None if g.registers_a else next(rest)
     ds_stage = next(rest) if g.fused or not g.registers_a else None
     dq_stage = next(rest) if g.fused else None
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *fused_ready = ready
+    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *fused_barriers = ready
+    # The fused kernel's: a dS^T buffer stored by both warpgroups, the interpreter's dQ read, K read
+    # by both before dK overwrites it.
+    ds_stored, dq_read, k_read = fused_barriers or (None, None, None)
     ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
     b = lax.axis_index("batch")
     kvh = lax.axis_index("heads")
@@ -308,7 +311,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             # Blocks this warpgroup's keys do not see are masked steps here (P = 0): each block's
             # dQ needs both warpgroups' dS.
             own_first = first
-            _wait_all((k_ready,), 1 - wg)
+            plgpu.barrier_wait(k_ready.at[1 - wg])
         plgpu.barrier_wait(k_ready.at[wg])
         plgpu.barrier_wait(v_ready.at[wg])
         shape = (WG_ROWS, bq)
@@ -357,7 +360,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             if not g.registers_a:
                 p_stage.at[wg][...] = p_t
             plgpu.commit_smem()
-            plgpu.barrier_arrive(fused_ready[0].at[buf])
+            plgpu.barrier_arrive(ds_stored.at[buf])
             cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
 
             def products(refs: Any) -> None:
@@ -366,7 +369,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 # (P^T from there too measured slower and spilled more).
                 plgpu.wgmma(dv_ref, p_t if g.registers_a else p_stage.at[wg], do_ring.at[slot])
                 plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
-                plgpu.barrier_wait(fused_ready[0].at[buf])  # the other half of dS^T is stored
+                plgpu.barrier_wait(ds_stored.at[buf])  # the other half of dS^T is stored
                 for w in range(g.key_wgs):
                     ds = ds_stage.at[buf, w].transpose((1, 0))
                     plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
@@ -395,8 +398,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             else:
                 # Mosaic GPU's interpreter has no TMA reduce: read, add and write back (CTAs run
                 # one after another there, and the warpgroups' columns are disjoint).
-                plgpu.copy_gmem_to_smem(dst, dq_own, fused_ready[1].at[wg])
-                plgpu.barrier_wait(fused_ready[1].at[wg])
+                plgpu.copy_gmem_to_smem(dst, dq_own, dq_read.at[wg])
+                plgpu.barrier_wait(dq_read.at[wg])
                 dq_own[...] = dq_own[...] + dq
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(dq_own, dst)
@@ -425,8 +428,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         zero = _acc(WG_ROWS, g.dpad)
         dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
         if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
-            plgpu.barrier_arrive(fused_ready[2])
-            plgpu.barrier_wait(fused_ready[2])
+            plgpu.barrier_arrive(k_read)
+            plgpu.barrier_wait(k_read)
         k_own[...] = (dk * g.scale).astype(dtype)
         v_own[...] = dv.astype(dtype)
         plgpu.commit_smem()
@@ -674,8 +677,7 @@ def bwd(
     ]
     dkdv_operands: tuple[Any, ...] = operands
     if g.fused:
-        # A dS^T buffer is stored by both warpgroups; the interpreter's dQ read-modify-write; K
-        # is read by both before dK overwrites it.
+        # ds_stored, dq_read and k_read (see the kernel)
         kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=2))
         kv_ready.append(plgpu.Barrier(num_barriers=g.key_wgs))
         kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs))
