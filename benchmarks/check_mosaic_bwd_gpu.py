@@ -51,7 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ejkfn
-from ejkfn import AttentionConfig, BwdParams
+from ejkfn import AttentionConfig, BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._reference import reference_attention
@@ -124,10 +124,11 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-6))
 
 
-def ours(causal: bool, bp: BwdParams, q, k):
-    """Attention through the library with the Mosaic forward and backward params ``bp``."""
+def ours(causal: bool, bp: BwdParams, q, k, fp: FwdParams | None = None):
+    """Attention through the library with the Mosaic forward (``fp``, else the heuristic's) and
+    backward params ``bp``."""
     spec = AttentionSpec(scale=q.shape[-1] ** -0.5, causal=causal)
-    fp = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))[0]
+    fp = fp or _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))[0]
     cfg = AttentionConfig(platform="pallas", variant="mosaic", fwd=fp, bwd=bp)
     return functools.partial(ejkfn.flash_attention, causal=causal, platform="pallas", cfg=cfg)
 

@@ -4,8 +4,10 @@ Forward: the Mosaic forward. Forward+backward: that forward with each Mosaic bac
 (FlashAttention 3's dK/dV and dQ kernels, 7 matrix products per block pair) and ``fused`` (one
 kernel adding dQ by TMA reduce-add, 5 products). Each implementation is checked against cuDNN's
 output and gradients on the same inputs first (max relative error), then all are timed in
-interleaved rounds (so drifts of the machine's speed fall on all alike): medians of ``--iters``
-calls after warm-up, inputs alternating between two random sets; ratios are to cuDNN in this run.
+interleaved rounds (so drifts of the machine's speed fall on all alike): each round times a batch
+of calls dispatched back to back after warm-up, inputs alternating between two random sets; the
+median over rounds is reported, with its spread (slowest over fastest round); ratios are to cuDNN
+in this run.
 
     python3 benchmarks/mosaic_variants_gpu.py --out "$OUT"           # the table
     python3 benchmarks/mosaic_variants_gpu.py --profile              # each kernel twice, for ncu
@@ -34,10 +36,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, device_info, fwd_bwd, inputs, median_ms, parse_shapes
+from attention import Case, back_to_back_ms, device_info, fwd_bwd, inputs, median_ms, parse_shapes
 from check_mosaic_bwd_gpu import ours, rel_err
 
-from ejkfn import BwdParams
+from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
@@ -47,9 +49,24 @@ FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosai
 BACKWARDS = {"split": None, "fused": FUSED}  # None: the heuristic's backward (the split)
 
 
-def implementations(case: Case, backward: bool) -> dict[str, Any]:
+def forward_blocks(text: str) -> list[FwdParams]:
+    """``"192x2,256x3"`` -> forward params of those key blocks x ring slots (128-row query tiles)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        try:
+            bk, slots = (int(n) for n in item.split("x"))
+        except ValueError:
+            raise SystemExit(f"--fwd-blocks item {item!r} is not KEYSxSLOTS, e.g. 192x2") from None
+        out.append(FwdParams(q_blocksize=128, kv_blocksize=bk, num_warps=12, num_stages=slots))
+    return out
+
+
+def implementations(
+    case: Case, backward: bool, fwds: list[FwdParams] = (), one_tile_per_cta: bool = False
+) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
-    cuDNN, and the Mosaic forward alone or with each Mosaic backward that takes the shape."""
+    cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
+    each Mosaic backward that takes the shape."""
 
     def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -60,7 +77,19 @@ def implementations(case: Case, backward: bool) -> dict[str, Any]:
     k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
     heuristic = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))[1]
     if not backward:
-        return {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
+        impls = {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
+        for fp in fwds:
+            name = f"mosaic {fp.kv_blocksize}x{fp.num_stages}"
+            impls[name] = jax.jit(ours(case.causal, heuristic, q, k, fp))
+        if one_tile_per_cta:  # the grid before the persistent one, for comparison
+
+            def one_tile(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, persistent=False
+                )[0]
+
+            impls["mosaic one tile per CTA"] = jax.jit(one_tile)
+        return impls
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
     for name, bp in BACKWARDS.items():
         if _pallas_mosaic_bwd.supports(case.dim, bp or heuristic):
@@ -70,11 +99,13 @@ def implementations(case: Case, backward: bool) -> dict[str, Any]:
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
-    drifts of the machine's speed fall on all alike); medians over all rounds."""
+    drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
-    for backward in (False, True):
+    for backward in (False, True) if args.backward == "yes" else (False,):
         flops = case.flops(backward)
-        impls = implementations(case, backward)
+        impls = implementations(
+            case, backward, forward_blocks(args.fwd_blocks), args.one_tile_per_cta
+        )
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
         timed: dict[str, list[float]] = {}
@@ -95,7 +126,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
         for _ in range(args.rounds):
             for name in timed:
                 fn = impls[name]
-                timed[name] += [median_ms(fn, [s[:arity] for s in sets], 0, per_round)]
+                timed[name] += [back_to_back_ms(fn, [s[:arity] for s in sets], per_round)]
         base = statistics.median(timed["cudnn"]) if "cudnn" in timed else None
         for name, row in case_rows.items():
             if name in timed:
@@ -124,10 +155,17 @@ def profile(cases: list[Case]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES, help="BxSxHxD[xKVH... as attention.py]")
-    parser.add_argument("--iters", type=int, default=30, help="timed calls per implementation")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds they split into")
+    parser.add_argument("--iters", type=int, default=48, help="timed calls per implementation")
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds they split into")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument(
+        "--fwd-blocks", default="", help="further forwards to time: KEYSxSLOTS,... e.g. 192x2"
+    )
+    parser.add_argument("--backward", choices=("yes", "no"), default="yes")
+    parser.add_argument(
+        "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
+    )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
     parser.add_argument("--cpu-smoke", action="store_true")

@@ -1,12 +1,19 @@
 """Flash attention forward in Pallas Mosaic GPU for Hopper (variant ``"mosaic"``).
 
-One CTA per (head, 128 query rows, batch) runs three warpgroups: two compute warpgroups of 64 rows each
-and one memory warpgroup. The memory warpgroup streams K and V blocks with TMA into a ring of shared
-memory slots (``num_stages`` deep); each compute warpgroup multiplies with ``wgmma`` (Q from shared
-memory, P from registers), runs the online softmax in registers, and marks each slot consumed so the
-ring refills. The two compute warpgroups meet on a schedule barrier twice a step, one of them half a
-step ahead, so one's softmax runs while the other's products hold the tensor cores (ping-pong: on an
-H200 this took the forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at 2x4096x16x128).
+A persistent grid of one CTA per multiprocessor walks the tiles of (head, 128 query rows, batch),
+one tile of every round of ``ctas`` tiles, alternating direction between rounds so that causal
+work evens out (causal tiles are ordered last rows first: they see the most keys). Each CTA runs
+three warpgroups: two compute warpgroups of 64 rows each and one memory warpgroup. The memory
+warpgroup streams K and V blocks with TMA into a ring of shared memory slots (``num_stages`` deep)
+and runs on into the next tile's blocks while the compute warpgroups finish a tile; the compute
+warpgroups load their next Q as soon as the last product has read the current one, and stage O in
+a buffer of its own where shared memory allows. Against one CTA per tile this measured 1.04-1.14x
+on an H200 (benchmarks/results/mosaic_variants_NVIDIA_H200_20261121-134541.json). Each compute
+warpgroup multiplies with ``wgmma`` (Q from shared memory, P from registers), runs the online
+softmax in registers, and marks each slot consumed so the ring refills. The two compute
+warpgroups meet on a schedule barrier twice a step, one of them half a step ahead, so one's
+softmax runs while the other's products hold the tensor cores (ping-pong: on an H200 this took the
+forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at 2x4096x16x128).
 Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its own last
 visible block and only acknowledges the rest (which its neighbour still needs), so barrier phases
 stay in step. Blocks wholly below the diagonal take an unmasked path.
@@ -45,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._pallas_mosaic_bwd import LOG2E, SMEM_LIMIT, WG_ROWS
+from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
 __all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
@@ -59,6 +66,9 @@ COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 _UNSUPPORTED = frozenset(
     {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
 )
+# Shared memory for our buffers: Mosaic's barriers and alignment took a further 2.6 KB of the 227 KB
+# on an H200.
+_SMEM_LIMIT = 232448 - 3072
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 
 
@@ -105,6 +115,10 @@ class _Geom:
     dpad: int
     bk: int
     slots: int
+    heads: int
+    batch: int
+    ctas: int  # CTAs launched; each runs one tile of every round of ``ctas`` tiles
+    out_buffer: bool  # O staged apart from Q, so the next tile's Q loads during the epilogue
     fused_pv: bool = True
     pingpong: bool = True
 
@@ -113,8 +127,33 @@ class _Geom:
         return self.seq_k - self.seq_q
 
     @property
-    def kv_blocks(self) -> int:
-        return -(-self.seq_k // self.bk)
+    def q_tiles(self) -> int:
+        return -(-self.seq_q // CTA_ROWS)
+
+    @property
+    def tiles(self) -> int:
+        return self.heads * self.q_tiles * self.batch
+
+    def tile(self, index: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of work item ``index``. Heads vary fastest, so the CTAs
+        running at once share keys and values; causal tiles run last rows first (they see the most
+        keys), so the light ones fill the tail."""
+        rank, rest = (
+            lax.div(index, self.heads * self.batch),
+            lax.rem(index, self.heads * self.batch),
+        )
+        q_tile = (self.q_tiles - 1) - rank if self.causal else rank
+        return lax.div(rest, self.heads), lax.rem(rest, self.heads), q_tile * CTA_ROWS
+
+    def index(self, cta: Any, t: Any) -> Any:
+        """Work item of ``cta``'s ``t``-th tile. Rounds of ``ctas`` items alternate direction, so a
+        CTA that took one of a round's heavier (causal) tiles takes one of the next round's lighter."""
+        return t * self.ctas + jnp.where(lax.rem(t, 2) == 0, cta, (self.ctas - 1) - cta)
+
+    def tiles_of(self, cta: Any) -> Any:
+        full_rounds = self.tiles // self.ctas
+        last = self.index(cta, jnp.int32(full_rounds)) < self.tiles
+        return full_rounds + last.astype(jnp.int32)
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
@@ -134,16 +173,21 @@ class _Geom:
 def _fwd_kernel(
     q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, schedule, *, g: _Geom
 ) -> None:
-    qo_smem, k_smem, v_smem, lse_smem = smem[:4]
+    q_tiles, k_smem, v_smem, *extra = smem
+    o_tiles = extra.pop(0) if g.out_buffer else q_tiles
+    p_tiles = None if g.fused_pv else extra.pop(0)
     k_ready, v_ready, q_ready = ready
     k_used, v_used = consumed
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    cta_base = lax.axis_index("q_tiles") * CTA_ROWS
-    cta_steps = g.steps(cta_base + CTA_ROWS - 1)
+    cta = lax.axis_index("cta")
+    my_tiles = g.tiles_of(cta)
     bk, slots = g.bk, g.slots
     dtype = q_ref.dtype
+
+    def tile(t: Any) -> tuple[Any, Any, Any, Any]:
+        """(batch, head, first row, key blocks the CTA streams) of this CTA's ``t``-th tile."""
+        b, h, cta_base = g.tile(g.index(cta, t))
+        return b, h, cta_base, g.steps(cta_base + CTA_ROWS - 1)
 
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
@@ -165,126 +209,146 @@ def _fwd_kernel(
     @pl.when(wg < COMPUTE_WGS)
     def _compute() -> None:
         plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-        q_smem = qo_smem.at[wg]
-        q_base = cta_base + wg * WG_ROWS
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, WG_ROWS), h], q_smem, q_ready.at[wg])
-        steps = g.steps(q_base + WG_ROWS - 1)
-        full = g.full_steps(q_base, steps)
-        plgpu.barrier_wait(q_ready.at[wg])
+        q_smem, o_smem = q_tiles.at[wg], o_tiles.at[wg]
+
+        def load_q(t: Any) -> None:
+            b, h, cta_base, _ = tile(t)
+            rows = pl.ds(cta_base + wg * WG_ROWS, WG_ROWS)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
+
+        load_q(0)  # every CTA has a tile: ctas <= tiles
         pl.when(wg == 1)(rendezvous)
 
-        def step(kv: Any, carry: Any, masked: bool) -> Any:
-            acc, m, den = carry
-            slot = slot_of(kv)
-            plgpu.barrier_wait(k_ready.at[slot])
+        def run_tile(t: Any, first_step: Any) -> Any:
+            b, h, cta_base, cta_steps = tile(t)
+            q_base = cta_base + wg * WG_ROWS
+            steps = g.steps(q_base + WG_ROWS - 1)
+            full = g.full_steps(q_base, steps)
+            plgpu.barrier_wait(q_ready.at[wg])
 
-            def qk(acc_ref: Any) -> Any:
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                rendezvous()
-                return acc_ref[...]
+            def step(kv: Any, carry: Any, masked: bool) -> Any:
+                acc, m, den = carry
+                slot = slot_of(first_step + kv)
+                plgpu.barrier_wait(k_ready.at[slot])
 
-            s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
-            plgpu.barrier_arrive(k_used.at[slot])
-            s = s * (g.scale * LOG2E)
-            if masked:
-                shape = (WG_ROWS, bk)
-                rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                cols = cols + kv * bk
-                ok = cols < g.seq_k
-                if g.causal:
-                    ok = ok & (cols <= rows + (q_base + g.offset))
-                s = jnp.where(ok, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            den = den * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(dtype)
-            wait_values(slot)
-
-            if g.fused_pv:  # accumulate onto the rescaled output in the wgmma accumulator
-
-                def pv(acc_ref: Any) -> None:
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            else:  # the interpreter's wgmma takes operands from shared memory, without run_state
-                p_smem = smem[4].at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv_alone(acc_ref: Any) -> Any:
-                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                def qk(acc_ref: Any) -> Any:
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                    rendezvous()
                     return acc_ref[...]
 
-                acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32))
-            plgpu.barrier_arrive(v_used.at[slot])
-            return acc, m_new, den
+                s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_used.at[slot])
+                s = s * (g.scale * LOG2E)
+                if masked:
+                    shape = (WG_ROWS, bk)
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    cols = cols + kv * bk
+                    ok = cols < g.seq_k
+                    if g.causal:
+                        ok = ok & (cols <= rows + (q_base + g.offset))
+                    s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                den = den * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                wait_values(slot)
 
-        def acknowledge(kv: Any, carry: Any) -> Any:
-            # Blocks only the other warpgroup needs: wait for each copy before releasing its slot,
-            # so this warpgroup's arrivals never count towards a later phase of the slot's barrier.
-            slot = slot_of(kv)
-            plgpu.barrier_wait(k_ready.at[slot])
-            rendezvous()
-            plgpu.barrier_arrive(k_used.at[slot])
-            wait_values(slot)
-            plgpu.barrier_arrive(v_used.at[slot])
-            return carry
+                if g.fused_pv:  # accumulate onto the rescaled output in the wgmma accumulator
 
-        carry = (
-            plgpu.layout_cast(jnp.full((WG_ROWS, g.dpad), 0, jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(
-                jnp.full((WG_ROWS,), _FINITE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            ),
-            plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-        acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
-        lax.fori_loop(steps, cta_steps, acknowledge, None)
+                    def pv(acc_ref: Any) -> None:
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                else:  # the interpreter's wgmma takes operands from shared memory, without run_state
+                    p_smem = p_tiles.at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def pv_alone(acc_ref: Any) -> Any:
+                        plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_alone, plgpu.ACC((WG_ROWS, g.dpad), jnp.float32))
+                plgpu.barrier_arrive(v_used.at[slot])
+                return acc, m_new, den
+
+            def acknowledge(kv: Any, carry: Any) -> Any:
+                # Blocks only the other warpgroup needs: wait for each copy before releasing its
+                # slot, so this warpgroup's arrivals never count towards a later phase of the slot.
+                slot = slot_of(first_step + kv)
+                plgpu.barrier_wait(k_ready.at[slot])
+                rendezvous()
+                plgpu.barrier_arrive(k_used.at[slot])
+                wait_values(slot)
+                plgpu.barrier_arrive(v_used.at[slot])
+                return carry
+
+            carry = (
+                plgpu.layout_cast(jnp.full((WG_ROWS, g.dpad), 0, jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(
+                    jnp.full((WG_ROWS,), _FINITE_FLOOR, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+                ),
+                plgpu.layout_cast(
+                    jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+                ),
+            )
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+            acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            lax.fori_loop(steps, cta_steps, acknowledge, None)
+            if g.out_buffer:  # the last product has read Q: fetch the next tile's meanwhile
+                pl.when(t + 1 < my_tiles)(functools.partial(load_q, t + 1))
+
+            den = jnp.maximum(den, 1e-30)  # rows with no visible key: acc is 0, out is 0
+            acc = acc / lax.broadcast_in_dim(den, acc.shape, [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's O has left o_smem
+            o_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q_base, WG_ROWS), h])
+            # Stored from registers: a staging buffer would cost shared memory the key ring needs.
+            lse_ref.at[b, h, pl.ds(q_base, WG_ROWS)][...] = m * LN2 + jnp.log(den)
+            if not g.out_buffer:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                pl.when(t + 1 < my_tiles)(functools.partial(load_q, t + 1))
+            return first_step + cta_steps
+
+        lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         pl.when(wg == 0)(rendezvous)
-
-        den = jnp.maximum(den, 1e-30)  # rows with no visible key: acc is 0, out is 0
-        acc = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-        q_smem[...] = acc.astype(dtype)
-        lse_smem.at[wg][...] = m * LN2 + jnp.log(den)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, pl.ds(q_base, WG_ROWS), h])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
     def _memory() -> None:
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-        kvh = lax.div(h, jnp.int32(g.group))
 
-        def fetch(kv: Any, slot: Any) -> None:
-            src = (b, pl.ds(kv * bk, bk), kvh)
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+        def stream_tile(t: Any, first_step: Any) -> Any:
+            b, h, _, cta_steps = tile(t)
+            kvh = lax.div(h, jnp.int32(g.group))
 
-        for i in range(min(slots, g.kv_blocks)):
-            pl.when(i < cta_steps)(functools.partial(fetch, i, i))
+            def fetch(kv: Any, carry: Any) -> Any:
+                step = first_step + kv
+                slot = slot_of(step)
+                src = (b, pl.ds(kv * bk, bk), kvh)
+                refill = step >= slots  # the slot held block step - slots: wait for its release
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_used.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_used.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
+                return carry
 
-        def refill(kv: Any, carry: Any) -> Any:
-            slot = slot_of(kv)
-            src = (b, pl.ds(kv * bk, bk), kvh)
-            plgpu.barrier_wait(k_used.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
-            plgpu.barrier_wait(v_used.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
-            return carry
+            lax.fori_loop(0, cta_steps, fetch, None)
+            return first_step + cta_steps
 
-        lax.fori_loop(slots, cta_steps, refill, None)
+        streamed = lax.fori_loop(0, my_tiles, stream_tile, jnp.int32(0))
 
-        def drain(kv: Any, carry: Any) -> Any:
+        def drain(step: Any, carry: Any) -> Any:
             # Observe the last releases too, so every barrier phase is waited on before exit.
-            plgpu.barrier_wait(k_used.at[slot_of(kv)])
-            plgpu.barrier_wait(v_used.at[slot_of(kv)])
+            plgpu.barrier_wait(k_used.at[slot_of(step)])
+            plgpu.barrier_wait(v_used.at[slot_of(step)])
             return carry
 
-        lax.fori_loop(jnp.maximum(cta_steps - slots, 0), cta_steps, drain, None)
+        lax.fori_loop(jnp.maximum(streamed - slots, 0), streamed, drain, None)
 
 
 def _interpreting(interpret: bool | None) -> bool:
@@ -307,7 +371,7 @@ def fwd(
 ) -> tuple[jax.Array, jax.Array]:
     """Forward pass: ``(out [B, Sq, H, D], lse [B, H, Sq] float32)``.
 
-    ``params.kv_blocksize`` is the key block (64, 128 or 256), ``params.num_stages`` the depth of the
+    ``params.kv_blocksize`` is the key block (64, 128, 192 or 256), ``params.num_stages`` the depth of the
     shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64).
     On a CPU the kernel runs in Mosaic GPU's interpreter (threads, barriers and TMA simulated: slow).
     """
@@ -323,6 +387,7 @@ def _forward(
     params: FwdParams | None,
     interpret: bool | None,
     pingpong: bool = True,
+    persistent: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -330,7 +395,7 @@ def _forward(
     params = params or heuristic(AttentionShape.of(q, k, spec))[0]
     bk = min(params.kv_blocksize, max(64, -(-seq_k // 64) * 64))
     if bk % 64 or bk > 256:
-        raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128 or 256")
+        raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128, 192 or 256")
     g = _Geom(
         causal=spec.causal,
         scale=spec.scale,
@@ -340,12 +405,19 @@ def _forward(
         dpad=_padded_head_dim(head_dim),
         bk=bk,
         slots=max(2, params.num_stages),
+        heads=heads,
+        batch=batch,
+        ctas=1,
+        out_buffer=False,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
     )
     sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
     skp = -(-seq_k // bk) * bk
-    g = dataclasses.replace(g, slots=min(g.slots, max(2, skp // bk)))
+    slots = min(g.slots, max(2, skp // bk))
+    ctas = min(g.tiles, _resident_ctas(interpret)) if persistent else g.tiles
+    out_buffer = persistent and _smem_bytes(g.dpad, bk, slots, out_buffer=True) <= _SMEM_LIMIT
+    g = dataclasses.replace(g, slots=slots, ctas=ctas, out_buffer=out_buffer)
 
     def pad(x: Any, seq: int) -> Any:
         return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))
@@ -355,8 +427,9 @@ def _forward(
         plgpu.SMEM((COMPUTE_WGS, WG_ROWS, g.dpad), q.dtype, transforms=tiled),
         plgpu.SMEM((g.slots, bk, g.dpad), q.dtype, transforms=tiled),
         plgpu.SMEM((g.slots, bk, g.dpad), q.dtype, transforms=tiled),
-        plgpu.SMEM((COMPUTE_WGS, WG_ROWS), jnp.float32),
     )
+    if g.out_buffer:
+        smem = (*smem, plgpu.SMEM((COMPUTE_WGS, WG_ROWS, g.dpad), q.dtype, transforms=tiled))
     if not g.fused_pv:
         smem = (*smem, plgpu.SMEM((COMPUTE_WGS, WG_ROWS, bk), q.dtype, transforms=tiled))
     ready = (
@@ -375,8 +448,8 @@ def _forward(
             jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
         ),
         scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
-        grid=(heads, sqp // CTA_ROWS, batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(g.ctas,),
+        grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -429,8 +502,22 @@ def bwd(
     )  # fmt: skip
 
 
-def _smem_bytes(d: int, bk: int, slots: int) -> int:
-    return 2 * (CTA_ROWS * d + 2 * slots * bk * d) + CTA_ROWS * 4
+def _smem_bytes(d: int, bk: int, slots: int, out_buffer: bool = False) -> int:
+    return 2 * ((2 if out_buffer else 1) * CTA_ROWS * d + 2 * slots * bk * d)
+
+
+_HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
+
+
+def _resident_ctas(interpret: bool | None) -> int:
+    """CTAs of the persistent grid: one per multiprocessor (a CTA's registers fill one); three in
+    the interpreter, so its tests run several tiles per CTA."""
+    if _interpreting(interpret):
+        return 3
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return int(getattr(device, "core_count", 0) or _HOPPER_SMS)
+    return _HOPPER_SMS  # lowering ahead of time for a GPU not attached
 
 
 def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
@@ -458,10 +545,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     backward where it takes the head dim (up to 128), else the Triton-lowering one.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
-    TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json).
+    TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
+    dim 64, 256-key blocks ran 1.12x (128, 3) not causal and the same causal at 8x2048x32x64
+    (results/mosaic_variants_NVIDIA_H200_20261121-134541.json); 192-key blocks spilled registers
+    and lost at every shape.
     """
     d = _padded_head_dim(shape.head_dim)
-    bk, slots = (128, 3) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
+    bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
     return fp, _mosaic_bwd(shape) or _pallas_gpu.heuristic(shape)[1]
 
@@ -478,7 +568,11 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     for bk in (64, 128, 256):
         for slots in (2, 3, 4):
             fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
-            if bk <= seq_k and _smem_bytes(d, bk, slots) <= SMEM_LIMIT and (fp, heur[1]) not in out:
+            if (
+                bk <= seq_k
+                and _smem_bytes(d, bk, slots) <= _SMEM_LIMIT
+                and (fp, heur[1]) not in out
+            ):
                 out.append((fp, heur[1]))
     bwds: list[BwdParams] = []
     base = _mosaic_bwd(shape)
