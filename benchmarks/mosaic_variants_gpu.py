@@ -94,6 +94,27 @@ def implementations(
     for name, bp in BACKWARDS.items():
         if _pallas_mosaic_bwd.supports(case.dim, bp or heuristic):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp or heuristic, q, k)))
+    if one_tile_per_cta and _pallas_mosaic_bwd.supports(case.dim, heuristic):
+        on_gpu = jax.default_backend() == "gpu"
+
+        def grids(fwd_persistent: bool, bwd_persistent: tuple[bool, bool]):
+            def both(q, k, v, do):
+                out, lse = _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, persistent=fwd_persistent
+                )
+                grads = _pallas_mosaic_bwd.bwd(
+                    q, k, v, out, lse, do, spec=spec, params=heuristic, interpret=not on_gpu,
+                    persistent=bwd_persistent,
+                )  # fmt: skip
+                return out, *grads
+
+            return jax.jit(both)
+
+        # (dK/dV, dQ) grids of the backward behind the persistent forward; the old grids.
+        for dkdv, dq in ((True, True), (False, True), (False, False)):
+            name = f"persistent fwd, dK/dV {'pers.' if dkdv else 'tiles'}, dQ {'pers.' if dq else 'tiles'}"
+            impls[name] = grids(True, (dkdv, dq))
+        impls["one tile per CTA everywhere"] = grids(False, (False, False))
     return impls
 
 

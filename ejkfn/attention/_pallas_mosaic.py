@@ -1,19 +1,17 @@
 """Flash attention forward in Pallas Mosaic GPU for Hopper (variant ``"mosaic"``).
 
-A persistent grid of one CTA per multiprocessor walks the tiles of (head, 128 query rows, batch),
-one tile of every round of ``ctas`` tiles, alternating direction between rounds so that causal
-work evens out (causal tiles are ordered last rows first: they see the most keys). Each CTA runs
-three warpgroups: two compute warpgroups of 64 rows each and one memory warpgroup. The memory
-warpgroup streams K and V blocks with TMA into a ring of shared memory slots (``num_stages`` deep)
-and runs on into the next tile's blocks while the compute warpgroups finish a tile; the compute
-warpgroups load their next Q as soon as the last product has read the current one, and stage O in
-a buffer of its own where shared memory allows. Against one CTA per tile this measured 1.04-1.14x
-on an H200 (benchmarks/results/mosaic_variants_NVIDIA_H200_20261121-134541.json). Each compute
-warpgroup multiplies with ``wgmma`` (Q from shared memory, P from registers), runs the online
-softmax in registers, and marks each slot consumed so the ring refills. The two compute
-warpgroups meet on a schedule barrier twice a step, one of them half a step ahead, so one's
-softmax runs while the other's products hold the tensor cores (ping-pong: on an H200 this took the
-forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at 2x4096x16x128).
+CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows,
+batch), causal tiles last rows first (they see the most keys). Each CTA runs three warpgroups: two
+compute warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup streams K and V
+blocks with TMA into a ring of shared memory slots (``num_stages`` deep), running on into the next
+tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
+as soon as the last product has read the current one, and stage O in a buffer of its own where
+shared memory allows. Each compute warpgroup multiplies with ``wgmma`` (Q from shared memory, P from
+registers), runs the online softmax in registers, and marks each slot consumed so the ring
+refills. The two compute warpgroups meet on a schedule barrier twice a step, one of them half a
+step ahead, so one's softmax runs while the other's products hold the tensor cores (ping-pong: on
+an H200 this took the forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at
+2x4096x16x128).
 Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its own last
 visible block and only acknowledges the rest (which its neighbour still needs), so barrier phases
 stay in step. Blocks wholly below the diagonal take an unmasked path.
@@ -52,6 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._mosaic_grid import Rounds, split_index
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
@@ -117,7 +116,7 @@ class _Geom:
     slots: int
     heads: int
     batch: int
-    ctas: int  # CTAs launched; each runs one tile of every round of ``ctas`` tiles
+    rounds: Rounds
     out_buffer: bool  # O staged apart from Q, so the next tile's Q loads during the epilogue
     fused_pv: bool = True
     pingpong: bool = True
@@ -134,26 +133,11 @@ class _Geom:
     def tiles(self) -> int:
         return self.heads * self.q_tiles * self.batch
 
-    def tile(self, index: Any) -> tuple[Any, Any, Any]:
-        """(batch, head, first query row) of work item ``index``. Heads vary fastest, so the CTAs
-        running at once share keys and values; causal tiles run last rows first (they see the most
-        keys), so the light ones fill the tail."""
-        rank, rest = (
-            lax.div(index, self.heads * self.batch),
-            lax.rem(index, self.heads * self.batch),
-        )
+    def tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of ``cta``'s ``t``-th tile."""
+        b, h, rank = split_index(self.rounds.index(cta, t), self.heads, self.batch)
         q_tile = (self.q_tiles - 1) - rank if self.causal else rank
-        return lax.div(rest, self.heads), lax.rem(rest, self.heads), q_tile * CTA_ROWS
-
-    def index(self, cta: Any, t: Any) -> Any:
-        """Work item of ``cta``'s ``t``-th tile. Rounds of ``ctas`` items alternate direction, so a
-        CTA that took one of a round's heavier (causal) tiles takes one of the next round's lighter."""
-        return t * self.ctas + jnp.where(lax.rem(t, 2) == 0, cta, (self.ctas - 1) - cta)
-
-    def tiles_of(self, cta: Any) -> Any:
-        full_rounds = self.tiles // self.ctas
-        last = self.index(cta, jnp.int32(full_rounds)) < self.tiles
-        return full_rounds + last.astype(jnp.int32)
+        return b, h, q_tile * CTA_ROWS
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
@@ -180,13 +164,13 @@ def _fwd_kernel(
     k_used, v_used = consumed
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
-    my_tiles = g.tiles_of(cta)
+    my_tiles = g.rounds.tiles_of(cta)
     bk, slots = g.bk, g.slots
     dtype = q_ref.dtype
 
     def tile(t: Any) -> tuple[Any, Any, Any, Any]:
         """(batch, head, first row, key blocks the CTA streams) of this CTA's ``t``-th tile."""
-        b, h, cta_base = g.tile(g.index(cta, t))
+        b, h, cta_base = g.tile(cta, t)
         return b, h, cta_base, g.steps(cta_base + CTA_ROWS - 1)
 
     def slot_of(step: Any) -> Any:
@@ -407,7 +391,7 @@ def _forward(
         slots=max(2, params.num_stages),
         heads=heads,
         batch=batch,
-        ctas=1,
+        rounds=Rounds(1, 1),
         out_buffer=False,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
@@ -415,9 +399,9 @@ def _forward(
     sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
     skp = -(-seq_k // bk) * bk
     slots = min(g.slots, max(2, skp // bk))
-    ctas = min(g.tiles, _resident_ctas(interpret)) if persistent else g.tiles
+    rounds = Rounds.of(g.tiles, _interpreting(interpret), persistent)
     out_buffer = persistent and _smem_bytes(g.dpad, bk, slots, out_buffer=True) <= _SMEM_LIMIT
-    g = dataclasses.replace(g, slots=slots, ctas=ctas, out_buffer=out_buffer)
+    g = dataclasses.replace(g, slots=slots, rounds=rounds, out_buffer=out_buffer)
 
     def pad(x: Any, seq: int) -> Any:
         return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))
@@ -448,7 +432,7 @@ def _forward(
             jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
         ),
         scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
-        grid=(g.ctas,),
+        grid=(g.rounds.ctas,),
         grid_names=("cta",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
@@ -504,20 +488,6 @@ def bwd(
 
 def _smem_bytes(d: int, bk: int, slots: int, out_buffer: bool = False) -> int:
     return 2 * ((2 if out_buffer else 1) * CTA_ROWS * d + 2 * slots * bk * d)
-
-
-_HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
-
-
-def _resident_ctas(interpret: bool | None) -> int:
-    """CTAs of the persistent grid: one per multiprocessor (a CTA's registers fill one); three in
-    the interpreter, so its tests run several tiles per CTA."""
-    if _interpreting(interpret):
-        return 3
-    device = jax.devices()[0]
-    if device.platform == "gpu":
-        return int(getattr(device, "core_count", 0) or _HOPPER_SMS)
-    return _HOPPER_SMS  # lowering ahead of time for a GPU not attached
 
 
 def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:

@@ -10,8 +10,13 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
   wait), forms P^T and dS^T = P^T (dP^T - delta) in registers, then dV += P^T dO and dK += dS^T Q.
   The query heads of a GQA group follow one another in the same stream, so the group's sum stays in
   the accumulators.
-* dQ: one CTA per (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
+* dQ: tiles of (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
   the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K.
+
+Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_grid` (its ring and
+barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
+epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
+measured 0.95-0.97x, and the dK/dV kernel takes one CTA per tile (the same either way).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (head dims padded to 128, 64 query rows by 128 keys):
 both warpgroups store their dS^T to a shared, double-buffered tile and meet on a barrier; each then
@@ -57,6 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
+from ._mosaic_grid import Rounds, split_index
 from ._spec import AttentionSpec
 
 __all__ = [
@@ -162,6 +168,11 @@ class _Geom:
     key_wgs: int  # compute warpgroups of the dK/dV kernel, 64 key rows each
     dkdv_slots: int  # ring depth of the dK/dV kernel (query blocks)
     dq_slots: int  # ring depth of the dQ kernel (key blocks)
+    heads: int
+    kv_heads: int
+    batch: int
+    dkdv_rounds: Rounds  # the dK/dV kernel's tiles (key rows of a kv head) over its CTAs
+    dq_rounds: Rounds  # the dQ kernel's tiles (query rows of a head) over its CTAs
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
@@ -187,6 +198,23 @@ class _Geom:
     def skp(self) -> int:
         tile = max(self.key_rows, self.bk)
         return _cdiv(self.seq_k, tile) * tile
+
+    @property
+    def q_tiles(self) -> int:
+        return self.sqp // (Q_TILE_WGS * WG_ROWS)
+
+    def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
+        """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
+        first keys (which causal queries see most) first."""
+        b, kvh, rank = split_index(self.dkdv_rounds.index(cta, t), self.kv_heads, self.batch)
+        return b, kvh, rank * self.key_rows
+
+    def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of the dQ kernel's ``t``-th tile in ``cta``; causal: the
+        last rows (which see the most keys) first."""
+        b, h, rank = split_index(self.dq_rounds.index(cta, t), self.heads, self.batch)
+        q_tile = (self.q_tiles - 1) - rank if self.causal else rank
+        return b, h, q_tile * (Q_TILE_WGS * WG_ROWS)
 
     # dK/dV: which query blocks the keys from ``key`` on see.
 
@@ -288,163 +316,180 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     # by both before dK overwrites it.
     ds_stored, dq_read, k_read = fused_barriers or (None, None, None)
     ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
-    b = lax.axis_index("batch")
-    kvh = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile_base = lax.axis_index("k_tiles") * g.key_rows
-    first = g.first_q_block(tile_base)
-    per_head = g.q_blocks - first  # query blocks streamed for each head of the group
-    total = per_head * g.group
+    cta = lax.axis_index("cta")
+    my_tiles = g.dkdv_rounds.tiles_of(cta)
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
+
+    def tile(t: Any) -> tuple[Any, Any, Any, Any, Any]:
+        """(batch, kv head, first key row, first query block, query blocks per head) of this
+        CTA's ``t``-th tile; its ring items are per head x the group's heads."""
+        b, kvh, tile_base = g.key_tile(cta, t)
+        first = g.first_q_block(tile_base)
+        return b, kvh, tile_base, first, g.q_blocks - first
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
         plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
-        key_base = tile_base + wg * WG_ROWS
-        keys = (b, pl.ds(key_base, WG_ROWS), kvh)
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
-        plgpu.copy_gmem_to_smem(k_ref.at[keys], k_own, k_ready.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
-        own_first = g.first_q_block(key_base)
-        own_full = g.first_full_q_block(key_base, own_first)
-        if g.fused:  # every warpgroup's dQ product reads all the tile's keys
-            # Blocks this warpgroup's keys do not see are masked steps here (P = 0): each block's
-            # dQ needs both warpgroups' dS.
-            own_first = first
-            plgpu.barrier_wait(k_ready.at[1 - wg])
-        plgpu.barrier_wait(k_ready.at[wg])
-        plgpu.barrier_wait(v_ready.at[wg])
-        shape = (WG_ROWS, bq)
 
-        def scores(slot: Any, qb: Any, masked: bool) -> tuple[Any, Any]:
-            """P^T and dS^T (16-bit) of this warpgroup's keys and query block ``qb``."""
-            q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
-            plgpu.barrier_wait(q_ready.at[slot])
-            plgpu.barrier_wait(do_ready.at[slot])
-            s_t, dp_t = _two_products(
-                k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
-            )
-            s_t = s_t * (g.scale * LOG2E)
-            if masked:
-                key = _iota(shape, 0) + key_base
-                row = _iota(shape, 1) + qb * bq
-                s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
-            plgpu.barrier_wait(lse_ready.at[slot])
-            lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
-            plgpu.barrier_wait(delta_ready.at[slot])
-            delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
-            return p_t.astype(dtype), ds_t.astype(dtype)
+        def run_tile(t: Any, start: Any) -> Any:
+            b, kvh, tile_base, first, per_head = tile(t)
+            key_base = tile_base + wg * WG_ROWS
+            keys = (b, pl.ds(key_base, WG_ROWS), kvh)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dK and dV have left
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_own, k_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
+            own_first = g.first_q_block(key_base)
+            own_full = g.first_full_q_block(key_base, own_first)
+            if g.fused:  # every warpgroup's dQ product reads all the tile's keys
+                # Blocks this warpgroup's keys do not see are masked steps here (P = 0): each block's
+                # dQ needs both warpgroups' dS.
+                own_first = first
+                plgpu.barrier_wait(k_ready.at[1 - wg])
+            plgpu.barrier_wait(k_ready.at[wg])
+            plgpu.barrier_wait(v_ready.at[wg])
+            shape = (WG_ROWS, bq)
 
-        def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
-            dk, dv = carry
-            slot = lax.rem(base + qb, jnp.int32(slots))
-            p_t, ds_t = scores(slot, qb, masked)
-            own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
-            dv, dk = _accumulate(
-                g, (dv, dk), (p_t, ds_t), (do_ring.at[slot], q_ring.at[slot]), own_staging
-            )
-            plgpu.barrier_arrive(consumed.at[slot])
-            return dk, dv
+            def scores(slot: Any, qb: Any, masked: bool) -> tuple[Any, Any]:
+                """P^T and dS^T (16-bit) of this warpgroup's keys and query block ``qb``."""
+                q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(do_ready.at[slot])
+                s_t, dp_t = _two_products(
+                    k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
+                )
+                s_t = s_t * (g.scale * LOG2E)
+                if masked:
+                    key = _iota(shape, 0) + key_base
+                    row = _iota(shape, 1) + qb * bq
+                    s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
+                plgpu.barrier_wait(delta_ready.at[slot])
+                delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                return p_t.astype(dtype), ds_t.astype(dtype)
 
-        def fused_step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
-            # dV and dK as in ``step``, and this warpgroup's half of the block's dQ = dS K (its
-            # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory),
-            # the three products in flight together; the half then goes out by TMA reduce-add.
-            dk, dv = carry
-            t = base + qb
-            slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
-            p_t, ds_t = scores(slot, qb, masked)
-            ds_stage.at[buf, wg][...] = ds_t
-            if not g.registers_a:
-                p_stage.at[wg][...] = p_t
+            def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
+                dk, dv = carry
+                slot = lax.rem(base + qb, jnp.int32(slots))
+                p_t, ds_t = scores(slot, qb, masked)
+                own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
+                dv, dk = _accumulate(
+                    g, (dv, dk), (p_t, ds_t), (do_ring.at[slot], q_ring.at[slot]), own_staging
+                )
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk, dv
+
+            def fused_step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
+                # dV and dK as in ``step``, and this warpgroup's half of the block's dQ = dS K (its
+                # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory),
+                # the three products in flight together; the half then goes out by TMA reduce-add.
+                dk, dv = carry
+                t = base + qb
+                slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
+                p_t, ds_t = scores(slot, qb, masked)
+                ds_stage.at[buf, wg][...] = ds_t
+                if not g.registers_a:
+                    p_stage.at[wg][...] = p_t
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_stored.at[buf])
+                cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
+
+                def products(refs: Any) -> None:
+                    dv_ref, dk_ref, dq_ref = refs
+                    # dK's dS^T from shared memory, where it is anyway: fewer registers held in flight
+                    # (P^T from there too measured slower and spilled more).
+                    plgpu.wgmma(dv_ref, p_t if g.registers_a else p_stage.at[wg], do_ring.at[slot])
+                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
+                    plgpu.barrier_wait(ds_stored.at[buf])  # the other half of dS^T is stored
+                    for w in range(g.key_wgs):
+                        ds = ds_stage.at[buf, w].transpose((1, 0))
+                        plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
+
+                dq0 = _acc(bq, g.dpad // 2)
+                if g.registers_a:  # onto the accumulators themselves
+                    accs = tuple(plgpu.ACC.init(x) for x in (dv, dk, dq0))
+                    dv_new, dk_new, dq = pl.run_state(products)(accs)
+                else:  # the interpreter: no run_state with accumulators; add afterwards
+
+                    def scoped(*refs: Any) -> tuple[Any, ...]:
+                        products(refs)
+                        return tuple(r[...] for r in refs)
+
+                    shapes = [plgpu.ACC(x.shape, jnp.float32) for x in (dv, dk, dq0)]
+                    dv_new, dk_new, dq = pl.run_scoped(scoped, *shapes)
+                    dv_new, dk_new = dv + dv_new, dk + dk_new
+                plgpu.barrier_arrive(consumed.at[slot])
+                dq_own = dq_stage.at[wg]
+                dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
+                if g.tma_reduce:
+                    plgpu.wait_smem_to_gmem(
+                        0, wait_read_only=True
+                    )  # the last reduce has read dq_own
+                    dq_own[...] = dq
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
+                else:
+                    # Mosaic GPU's interpreter has no TMA reduce: read, add and write back (CTAs run
+                    # one after another there, and the warpgroups' columns are disjoint).
+                    plgpu.copy_gmem_to_smem(dst, dq_own, dq_read.at[wg])
+                    plgpu.barrier_wait(dq_read.at[wg])
+                    dq_own[...] = dq_own[...] + dq
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dq_own, dst)
+                    plgpu.wait_smem_to_gmem(0)
+                return dk_new, dv_new
+
+            def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
+                # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
+                # and release the slot.
+                slot = lax.rem(base + qb, jnp.int32(slots))
+                _wait_all(ring_ready, slot)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return carry
+
+            body = fused_step if g.fused else step
+
+            def head(i: Any, carry: Any) -> Any:
+                base = start + i * per_head - first  # stream position of this head's block 0
+                h = kvh * g.group + i
+                lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
+                masked = functools.partial(body, base=base, h=h, masked=True)
+                carry = lax.fori_loop(own_first, own_full, masked, carry)
+                unmasked = functools.partial(body, base=base, h=h, masked=False)
+                return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
+
+            zero = _acc(WG_ROWS, g.dpad)
+            dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
+            if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
+                plgpu.barrier_arrive(k_read)
+                plgpu.barrier_wait(k_read)
+            k_own[...] = (dk * g.scale).astype(dtype)
+            v_own[...] = dv.astype(dtype)
             plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_stored.at[buf])
-            cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
+            plgpu.copy_smem_to_gmem(k_own, dk_ref.at[keys])
+            plgpu.copy_smem_to_gmem(v_own, dv_ref.at[keys])
+            return start + per_head * g.group
 
-            def products(refs: Any) -> None:
-                dv_ref, dk_ref, dq_ref = refs
-                # dK's dS^T from shared memory, where it is anyway: fewer registers held in flight
-                # (P^T from there too measured slower and spilled more).
-                plgpu.wgmma(dv_ref, p_t if g.registers_a else p_stage.at[wg], do_ring.at[slot])
-                plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
-                plgpu.barrier_wait(ds_stored.at[buf])  # the other half of dS^T is stored
-                for w in range(g.key_wgs):
-                    ds = ds_stage.at[buf, w].transpose((1, 0))
-                    plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
-
-            dq0 = _acc(bq, g.dpad // 2)
-            if g.registers_a:  # onto the accumulators themselves
-                accs = tuple(plgpu.ACC.init(x) for x in (dv, dk, dq0))
-                dv_new, dk_new, dq = pl.run_state(products)(accs)
-            else:  # the interpreter: no run_state with accumulators; add afterwards
-
-                def scoped(*refs: Any) -> tuple[Any, ...]:
-                    products(refs)
-                    return tuple(r[...] for r in refs)
-
-                shapes = [plgpu.ACC(x.shape, jnp.float32) for x in (dv, dk, dq0)]
-                dv_new, dk_new, dq = pl.run_scoped(scoped, *shapes)
-                dv_new, dk_new = dv + dv_new, dk + dk_new
-            plgpu.barrier_arrive(consumed.at[slot])
-            dq_own = dq_stage.at[wg]
-            dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
-            if g.tma_reduce:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce has read dq_own
-                dq_own[...] = dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
-            else:
-                # Mosaic GPU's interpreter has no TMA reduce: read, add and write back (CTAs run
-                # one after another there, and the warpgroups' columns are disjoint).
-                plgpu.copy_gmem_to_smem(dst, dq_own, dq_read.at[wg])
-                plgpu.barrier_wait(dq_read.at[wg])
-                dq_own[...] = dq_own[...] + dq
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_own, dst)
-                plgpu.wait_smem_to_gmem(0)
-            return dk_new, dv_new
-
-        def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
-            # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
-            # and release the slot.
-            slot = lax.rem(base + qb, jnp.int32(slots))
-            _wait_all(ring_ready, slot)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return carry
-
-        body = fused_step if g.fused else step
-
-        def head(i: Any, carry: Any) -> Any:
-            base = i * per_head - first  # stream position of this head's block 0
-            h = kvh * g.group + i
-            lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
-            masked = functools.partial(body, base=base, h=h, masked=True)
-            carry = lax.fori_loop(own_first, own_full, masked, carry)
-            unmasked = functools.partial(body, base=base, h=h, masked=False)
-            return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
-
-        zero = _acc(WG_ROWS, g.dpad)
-        dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
-        if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
-            plgpu.barrier_arrive(k_read)
-            plgpu.barrier_wait(k_read)
-        k_own[...] = (dk * g.scale).astype(dtype)
-        v_own[...] = dv.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_own, dk_ref.at[keys])
-        plgpu.copy_smem_to_gmem(v_own, dv_ref.at[keys])
+        lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == g.key_wgs)
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        def fetch(t: Any, slot: Any) -> None:
+        def items(t: Any) -> Any:
+            _, _, _, _, per_head = tile(t)
+            return per_head * g.group
+
+        def fetch(t: Any, i: Any, slot: Any) -> None:
+            b, kvh, _, first, per_head = tile(t)
             blocks = jnp.maximum(per_head, 1)
-            h = kvh * g.group + lax.div(t, blocks)
-            rows = pl.ds((first + lax.rem(t, blocks)) * bq, bq)
+            h = kvh * g.group + lax.div(i, blocks)
+            rows = pl.ds((first + lax.rem(i, blocks)) * bq, bq)
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot], q_ready.at[slot])
             plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_ready.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_ready.at[slot])
@@ -452,31 +497,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 delta_ref.at[b, h, rows], delta_ring.at[slot], delta_ready.at[slot]
             )
 
-        _feed(slots, total, fetch, consumed)
+        _feed(slots, my_tiles, items, fetch, consumed)
 
 
-def _feed(slots: int, total: Any, fetch: Any, consumed: Any) -> None:
-    """The memory warpgroup's loop: fill the ring, refill each slot once released, then drain."""
+def _feed(slots: int, tiles: Any, items: Any, fetch: Any, consumed: Any) -> None:
+    """The memory warpgroup's loop over its CTA's ``tiles``: ``fetch(t, i, slot)`` each of the
+    ``items(t)`` items of tile ``t`` into the ring (one stream across tiles), refilling each slot
+    once released; then drain."""
 
-    def slot_of(t: Any) -> Any:
-        return lax.rem(t, jnp.int32(slots))
+    def slot_of(n: Any) -> Any:
+        return lax.rem(n, jnp.int32(slots))
 
-    for i in range(slots):
-        pl.when(i < total)(functools.partial(fetch, jnp.int32(i), jnp.int32(i)))
+    def tile(t: Any, start: Any) -> Any:
+        def item(i: Any, carry: Any) -> Any:
+            n = start + i
+            pl.when(n >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot_of(n)]))
+            fetch(t, i, slot_of(n))
+            return carry
 
-    def refill(t: Any, carry: Any) -> Any:
-        plgpu.barrier_wait(consumed.at[slot_of(t)])
-        fetch(t, slot_of(t))
-        return carry
+        count = items(t)
+        lax.fori_loop(0, count, item, None)
+        return start + count
 
-    lax.fori_loop(jnp.int32(slots), total, refill, None)
+    streamed = lax.fori_loop(0, tiles, tile, jnp.int32(0))
 
-    def drain(t: Any, carry: Any) -> Any:
+    def drain(n: Any, carry: Any) -> Any:
         # Observe the last releases too, so every barrier phase is waited on before exit.
-        plgpu.barrier_wait(consumed.at[slot_of(t)])
+        plgpu.barrier_wait(consumed.at[slot_of(n)])
         return carry
 
-    lax.fori_loop(jnp.maximum(total - slots, 0), total, drain, None)
+    lax.fori_loop(jnp.maximum(streamed - slots, 0), streamed, drain, None)
 
 
 def _dq_kernel(
@@ -484,85 +534,114 @@ def _dq_kernel(
 ) -> None:
     q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
     q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready = ready
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
     wg = lax.axis_index("wg")
-    tile = lax.axis_index("q_tiles")
-    if g.causal:  # the last query tiles see the most keys: start them first, shortening the tail
-        tile = (g.sqp // (Q_TILE_WGS * WG_ROWS) - 1) - tile
-    tile_base = tile * (Q_TILE_WGS * WG_ROWS)
-    cta_steps = g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
+    cta = lax.axis_index("cta")
+    my_tiles = g.dq_rounds.tiles_of(cta)
     bk, slots, dtype = g.bk, g.dq_slots, q_ref.dtype
+
+    def tile(t: Any) -> tuple[Any, Any, Any, Any]:
+        """(batch, head, first query row, key blocks streamed) of this CTA's ``t``-th tile."""
+        b, h, tile_base = g.query_tile(cta, t)
+        return b, h, tile_base, g.kv_steps(tile_base + Q_TILE_WGS * WG_ROWS - 1)
 
     @pl.when(wg < Q_TILE_WGS)
     def _compute() -> None:
         plgpu.set_max_registers(_compute_registers(Q_TILE_WGS), action="increase")
-        row_base = tile_base + wg * WG_ROWS
-        rows = pl.ds(row_base, WG_ROWS)
         q_own, do_own = q_smem.at[wg], do_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_own, q_ready.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_own, do_ready.at[wg])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], lse_ready.at[wg])
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], delta_ready.at[wg])
-        steps = g.kv_steps(row_base + WG_ROWS - 1)
-        full = g.full_kv_steps(row_base, steps)
-        _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
-        shape = (WG_ROWS, bk)
-        # Row vectors, broadcast where used: whole tiles would hold registers across the loop.
-        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def step(kv: Any, dq: Any, masked: bool) -> Any:
-            slot = lax.rem(kv, jnp.int32(slots))
-            k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            s, dp = _two_products(
-                q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
+        def load(t: Any, with_q: bool) -> None:
+            """Q (``with_q``) or else dO, lse and delta of this warpgroup's rows of tile ``t``."""
+            b, h, tile_base, _ = tile(t)
+            rows = pl.ds(tile_base + wg * WG_ROWS, WG_ROWS)
+            if with_q:
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_own, q_ready.at[wg])
+                return
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_own, do_ready.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], lse_ready.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], delta_ready.at[wg])
+
+        load(jnp.int32(0), with_q=True)
+        load(jnp.int32(0), with_q=False)
+
+        def run_tile(t: Any, start: Any) -> Any:
+            b, h, tile_base, cta_steps = tile(t)
+            row_base = tile_base + wg * WG_ROWS
+            rows = pl.ds(row_base, WG_ROWS)
+            steps = g.kv_steps(row_base + WG_ROWS - 1)
+            full = g.full_kv_steps(row_base, steps)
+            _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
+            shape = (WG_ROWS, bk)
+            # Row vectors, broadcast where used: whole tiles would hold registers across the loop.
+            lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+            delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+            def step(kv: Any, dq: Any, masked: bool) -> Any:
+                slot = lax.rem(start + kv, jnp.int32(slots))
+                k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                s, dp = _two_products(
+                    q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
+                )
+                s = s * (g.scale * LOG2E)
+                if masked:
+                    key = _iota(shape, 1) + kv * bk
+                    ok = key < g.seq_k
+                    if g.causal:
+                        ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
+                    s = jnp.where(ok, s, -jnp.inf)
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
+                ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+                own_staging = tuple(s_.at[wg] for s_ in staging)
+                (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq
+
+            def acknowledge(kv: Any, carry: Any) -> Any:
+                slot = lax.rem(start + kv, jnp.int32(slots))
+                _wait_all((k_ready, v_ready), slot)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return carry
+
+            dq = lax.fori_loop(
+                0, full, functools.partial(step, masked=False), _acc(WG_ROWS, g.dpad)
             )
-            s = s * (g.scale * LOG2E)
-            if masked:
-                key = _iota(shape, 1) + kv * bk
-                ok = key < g.seq_k
-                if g.causal:
-                    ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
-                s = jnp.where(ok, s, -jnp.inf)
-            p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
-            ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
-            own_staging = tuple(s_.at[wg] for s_ in staging)
-            (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return dq
+            dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
+            lax.fori_loop(steps, cta_steps, acknowledge, None)
+            # dO, lse and delta are read: fetch the next tile's meanwhile. Q stages dQ on its way out.
+            pl.when(t + 1 < my_tiles)(functools.partial(load, t + 1, with_q=False))
+            q_own[...] = (dq * g.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_own, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            pl.when(t + 1 < my_tiles)(functools.partial(load, t + 1, with_q=True))
+            return start + cta_steps
 
-        def acknowledge(kv: Any, carry: Any) -> Any:
-            slot = lax.rem(kv, jnp.int32(slots))
-            _wait_all((k_ready, v_ready), slot)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return carry
-
-        dq = lax.fori_loop(0, full, functools.partial(step, masked=False), _acc(WG_ROWS, g.dpad))
-        dq = lax.fori_loop(full, steps, functools.partial(step, masked=True), dq)
-        lax.fori_loop(steps, cta_steps, acknowledge, None)
-        q_own[...] = (dq * g.scale).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_own, dq_ref.at[b, rows, h])
+        lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == Q_TILE_WGS)
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-        kvh = lax.div(h, jnp.int32(g.group))
 
-        def fetch(kv: Any, slot: Any) -> None:
-            keys = (b, pl.ds(kv * bk, bk), kvh)
+        def fetch(t: Any, kv: Any, slot: Any) -> None:
+            b, h, _, _ = tile(t)
+            keys = (b, pl.ds(kv * bk, bk), lax.div(h, jnp.int32(g.group)))
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
 
-        _feed(slots, cta_steps, fetch, consumed)
+        _feed(slots, my_tiles, lambda t: tile(t)[3], fetch, consumed)
 
 
-def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: bool) -> _Geom:
-    _, seq_q, heads, head_dim = q.shape
+def _geom(
+    q: Any,
+    k: Any,
+    spec: AttentionSpec,
+    params: BwdParams,
+    interpret: bool,
+    persistent: tuple[bool, bool] | None,
+) -> _Geom:
+    batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
     dpad = _cdiv(head_dim, 64) * 64
     if dpad > MAX_HEAD_DIM:
@@ -592,7 +671,7 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: boo
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
         )
-    return _Geom(
+    g = _Geom(
         causal=spec.causal,
         scale=spec.scale,
         seq_q=seq_q,
@@ -604,9 +683,26 @@ def _geom(q: Any, k: Any, spec: AttentionSpec, params: BwdParams, interpret: boo
         key_wgs=key_rows // WG_ROWS,
         dkdv_slots=dkdv_slots,
         dq_slots=dq_slots,
+        heads=heads,
+        kv_heads=kv_heads,
+        batch=batch,
+        dkdv_rounds=Rounds(1, 1),
+        dq_rounds=Rounds(1, 1),
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
+    )
+    if persistent is None:
+        # Measured on an H200 (results/mosaic_variants_NVIDIA_H200_20261121-140226.json): the dK/dV
+        # kernel the same either way; the dQ kernel 1.03-1.05x persistent at head dim 64 and not
+        # causal at 128, 0.95-0.97x causal at 128.
+        persistent = (False, not (spec.causal and dpad > 64))
+    dkdv_persistent, dq_persistent = persistent
+    key_tiles = kv_heads * (g.skp // g.key_rows) * batch
+    return dataclasses.replace(
+        g,
+        dkdv_rounds=Rounds.of(key_tiles, interpret, dkdv_persistent),
+        dq_rounds=Rounds.of(heads * g.q_tiles * batch, interpret, dq_persistent),
     )
 
 
@@ -621,6 +717,7 @@ def bwd(
     spec: AttentionSpec,
     params: BwdParams,
     interpret: bool,
+    persistent: tuple[bool, bool] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -631,12 +728,13 @@ def bwd(
     is the key rows of a dK/dV CTA (one warpgroup per 64) and the key block the dQ kernel streams;
     ``params.q_blocksize`` (64 or 128) the query block the dK/dV kernel streams (fused: at most 64 at
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
-    short. ``num_warps`` is not used: the warpgroups follow from the blocks. The caller checks dtypes
-    and features (as for the forward).
+    short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
+    dQ) overrides which kernels run on the persistent grid. The caller checks dtypes and features
+    (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret)
+    g = _geom(q, k, spec, params, interpret, persistent)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
@@ -696,8 +794,8 @@ def bwd(
             tuple(kv_ready),
             plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
         ),
-        grid=(kv_heads, g.skp // g.key_rows, batch),
-        grid_names=("heads", "k_tiles", "batch"),
+        grid=(g.dkdv_rounds.ctas,),
+        grid_names=("cta",),
         num_threads=g.key_wgs + 1,
         thread_name="wg",
         compiler_params=compiler_params,
@@ -709,7 +807,6 @@ def bwd(
         acc = jax.freeze(dq_acc)
         return (acc[:, :seq_q, :, :head_dim] * g.scale).astype(dtype), dk, dv
 
-    rows = Q_TILE_WGS * WG_ROWS
     q_smem = [
         plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.dpad), dtype, transforms=_TILED),
         plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.dpad), dtype, transforms=_TILED),
@@ -732,8 +829,8 @@ def bwd(
             q_ready,
             plgpu.Barrier(num_arrivals=Q_TILE_WGS, num_barriers=g.dq_slots),
         ),
-        grid=(heads, g.sqp // rows, batch),
-        grid_names=("heads", "q_tiles", "batch"),
+        grid=(g.dq_rounds.ctas,),
+        grid_names=("cta",),
         num_threads=Q_TILE_WGS + 1,
         thread_name="wg",
         compiler_params=compiler_params,
