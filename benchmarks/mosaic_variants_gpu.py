@@ -24,6 +24,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ def forward_blocks(text: str) -> list[FwdParams]:
 
 
 def implementations(
-    case: Case, backward: bool, fwds: list[FwdParams] = (), one_tile_per_cta: bool = False
+    case: Case, backward: bool, fwds: Sequence[FwdParams] = (), one_tile_per_cta: bool = False
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with

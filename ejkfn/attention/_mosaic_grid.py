@@ -38,8 +38,9 @@ class Rounds:
     ctas: int
 
     @classmethod
-    def of(cls, tiles: int, interpret: bool, persistent: bool = True) -> Rounds:
-        return cls(tiles, min(tiles, resident_ctas(interpret)) if persistent else tiles)
+    def of(cls, tiles: int, resident: int, persistent: bool) -> Rounds:
+        """Persistent: at most ``resident`` CTAs; else one CTA per tile."""
+        return cls(tiles, min(tiles, resident) if persistent else tiles)
 
     def index(self, cta: Any, t: Any) -> Any:
         """Work item of ``cta``'s ``t``-th tile."""
@@ -50,6 +51,15 @@ class Rounds:
         full_rounds = self.tiles // self.ctas
         last = self.index(cta, jnp.int32(full_rounds)) < self.tiles
         return full_rounds + last.astype(jnp.int32)
+
+
+def query_tile(
+    index: Any, heads: int, batch: int, q_tiles: int, rows: int, causal: bool
+) -> tuple[Any, Any, Any]:
+    """(batch, head, first query row) of work item ``index`` over tiles of ``rows`` query rows;
+    causal: the last rows (which see the most keys) first, so the light tiles fill the tail."""
+    b, h, rank = split_index(index, heads, batch)
+    return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
 def split_index(index: Any, heads: int, batch: int) -> tuple[Any, Any, Any]:

@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._mosaic_grid import Rounds, split_index
+from ._mosaic_grid import Rounds, query_tile, resident_ctas
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
@@ -116,8 +116,8 @@ class _Geom:
     slots: int
     heads: int
     batch: int
-    rounds: Rounds
-    out_buffer: bool  # O staged apart from Q, so the next tile's Q loads during the epilogue
+    resident: int  # CTAs the persistent grid may launch
+    persistent: bool
     fused_pv: bool = True
     pingpong: bool = True
 
@@ -130,14 +130,19 @@ class _Geom:
         return -(-self.seq_q // CTA_ROWS)
 
     @property
-    def tiles(self) -> int:
-        return self.heads * self.q_tiles * self.batch
+    def rounds(self) -> Rounds:
+        return Rounds.of(self.heads * self.q_tiles * self.batch, self.resident, self.persistent)
+
+    @property
+    def out_buffer(self) -> bool:
+        """O staged apart from Q (where shared memory allows), so the next tile's Q loads during
+        the epilogue."""
+        return self.persistent and _smem_bytes(self.dpad, self.bk, self.slots, True) <= _SMEM_LIMIT
 
     def tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, head, first query row) of ``cta``'s ``t``-th tile."""
-        b, h, rank = split_index(self.rounds.index(cta, t), self.heads, self.batch)
-        q_tile = (self.q_tiles - 1) - rank if self.causal else rank
-        return b, h, q_tile * CTA_ROWS
+        index = self.rounds.index(cta, t)
+        return query_tile(index, self.heads, self.batch, self.q_tiles, CTA_ROWS, self.causal)
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
@@ -380,6 +385,8 @@ def _forward(
     bk = min(params.kv_blocksize, max(64, -(-seq_k // 64) * 64))
     if bk % 64 or bk > 256:
         raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128, 192 or 256")
+    sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
+    skp = -(-seq_k // bk) * bk
     g = _Geom(
         causal=spec.causal,
         scale=spec.scale,
@@ -388,20 +395,14 @@ def _forward(
         group=heads // kv_heads,
         dpad=_padded_head_dim(head_dim),
         bk=bk,
-        slots=max(2, params.num_stages),
+        slots=min(max(2, params.num_stages), max(2, skp // bk)),
         heads=heads,
         batch=batch,
-        rounds=Rounds(1, 1),
-        out_buffer=False,
+        resident=resident_ctas(_interpreting(interpret)),
+        persistent=persistent,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
     )
-    sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
-    skp = -(-seq_k // bk) * bk
-    slots = min(g.slots, max(2, skp // bk))
-    rounds = Rounds.of(g.tiles, _interpreting(interpret), persistent)
-    out_buffer = persistent and _smem_bytes(g.dpad, bk, slots, out_buffer=True) <= _SMEM_LIMIT
-    g = dataclasses.replace(g, slots=slots, rounds=rounds, out_buffer=out_buffer)
 
     def pad(x: Any, seq: int) -> Any:
         return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))

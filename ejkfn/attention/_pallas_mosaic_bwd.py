@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
-from ._mosaic_grid import Rounds, split_index
+from ._mosaic_grid import Rounds, query_tile, resident_ctas, split_index
 from ._spec import AttentionSpec
 
 __all__ = [
@@ -171,8 +171,8 @@ class _Geom:
     heads: int
     kv_heads: int
     batch: int
-    dkdv_rounds: Rounds  # the dK/dV kernel's tiles (key rows of a kv head) over its CTAs
-    dq_rounds: Rounds  # the dQ kernel's tiles (query rows of a head) over its CTAs
+    resident: int  # CTAs a persistent grid may launch
+    persistent: tuple[bool, bool]  # whether the dK/dV and the dQ kernel run on a persistent grid
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
@@ -203,6 +203,18 @@ class _Geom:
     def q_tiles(self) -> int:
         return self.sqp // (Q_TILE_WGS * WG_ROWS)
 
+    @property
+    def dkdv_rounds(self) -> Rounds:
+        """The dK/dV kernel's tiles (key rows of a kv head) over its CTAs."""
+        tiles = self.kv_heads * (self.skp // self.key_rows) * self.batch
+        return Rounds.of(tiles, self.resident, self.persistent[0])
+
+    @property
+    def dq_rounds(self) -> Rounds:
+        """The dQ kernel's tiles (query rows of a head) over its CTAs."""
+        tiles = self.heads * self.q_tiles * self.batch
+        return Rounds.of(tiles, self.resident, self.persistent[1])
+
     def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
         first keys (which causal queries see most) first."""
@@ -210,11 +222,10 @@ class _Geom:
         return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
-        """(batch, head, first query row) of the dQ kernel's ``t``-th tile in ``cta``; causal: the
-        last rows (which see the most keys) first."""
-        b, h, rank = split_index(self.dq_rounds.index(cta, t), self.heads, self.batch)
-        q_tile = (self.q_tiles - 1) - rank if self.causal else rank
-        return b, h, q_tile * (Q_TILE_WGS * WG_ROWS)
+        """(batch, head, first query row) of the dQ kernel's ``t``-th tile in ``cta``."""
+        index = self.dq_rounds.index(cta, t)
+        rows = Q_TILE_WGS * WG_ROWS
+        return query_tile(index, self.heads, self.batch, self.q_tiles, rows, self.causal)
 
     # dK/dV: which query blocks the keys from ``key`` on see.
 
@@ -481,12 +492,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        def items(t: Any) -> Any:
-            _, _, _, _, per_head = tile(t)
-            return per_head * g.group
+        def items(t: Any) -> tuple[Any, Any]:
+            coords = tile(t)
+            return coords[4] * g.group, coords
 
-        def fetch(t: Any, i: Any, slot: Any) -> None:
-            b, kvh, _, first, per_head = tile(t)
+        def fetch(coords: Any, i: Any, slot: Any) -> None:
+            b, kvh, _, first, per_head = coords
             blocks = jnp.maximum(per_head, 1)
             h = kvh * g.group + lax.div(i, blocks)
             rows = pl.ds((first + lax.rem(i, blocks)) * bq, bq)
@@ -500,26 +511,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         _feed(slots, my_tiles, items, fetch, consumed)
 
 
-def _feed(slots: int, tiles: Any, items: Any, fetch: Any, consumed: Any) -> None:
-    """The memory warpgroup's loop over its CTA's ``tiles``: ``fetch(t, i, slot)`` each of the
-    ``items(t)`` items of tile ``t`` into the ring (one stream across tiles), refilling each slot
-    once released; then drain."""
+def _feed(slots: int, tiles: Any, tile: Any, fetch: Any, consumed: Any) -> None:
+    """The memory warpgroup's loop over its CTA's ``tiles``: ``tile(t)`` gives tile ``t``'s item
+    count and coordinates, ``fetch(coords, i, slot)`` copies its ``i``-th item into the ring (one
+    stream across tiles), each slot refilled once released; then drain."""
 
     def slot_of(n: Any) -> Any:
         return lax.rem(n, jnp.int32(slots))
 
-    def tile(t: Any, start: Any) -> Any:
+    def stream(t: Any, start: Any) -> Any:
+        count, coords = tile(t)
+
         def item(i: Any, carry: Any) -> Any:
             n = start + i
             pl.when(n >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot_of(n)]))
-            fetch(t, i, slot_of(n))
+            fetch(coords, i, slot_of(n))
             return carry
 
-        count = items(t)
         lax.fori_loop(0, count, item, None)
         return start + count
 
-    streamed = lax.fori_loop(0, tiles, tile, jnp.int32(0))
+    streamed = lax.fori_loop(0, tiles, stream, jnp.int32(0))
 
     def drain(n: Any, carry: Any) -> Any:
         # Observe the last releases too, so every barrier phase is waited on before exit.
@@ -624,13 +636,17 @@ def _dq_kernel(
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        def fetch(t: Any, kv: Any, slot: Any) -> None:
-            b, h, _, _ = tile(t)
+        def fetch(coords: Any, kv: Any, slot: Any) -> None:
+            b, h, _, _ = coords
             keys = (b, pl.ds(kv * bk, bk), lax.div(h, jnp.int32(g.group)))
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
 
-        _feed(slots, my_tiles, lambda t: tile(t)[3], fetch, consumed)
+        def items(t: Any) -> tuple[Any, Any]:
+            coords = tile(t)
+            return coords[3], coords
+
+        _feed(slots, my_tiles, items, fetch, consumed)
 
 
 def _geom(
@@ -671,7 +687,7 @@ def _geom(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
         )
-    g = _Geom(
+    return _Geom(
         causal=spec.causal,
         scale=spec.scale,
         seq_q=seq_q,
@@ -686,23 +702,14 @@ def _geom(
         heads=heads,
         kv_heads=kv_heads,
         batch=batch,
-        dkdv_rounds=Rounds(1, 1),
-        dq_rounds=Rounds(1, 1),
-        registers_a=not interpret,
-        fused=fused,
-        tma_reduce=not interpret,
-    )
-    if persistent is None:
+        resident=resident_ctas(interpret),
         # Measured on an H200 (results/mosaic_variants_NVIDIA_H200_20261121-140226.json): the dK/dV
         # kernel the same either way; the dQ kernel 1.03-1.05x persistent at head dim 64 and not
         # causal at 128, 0.95-0.97x causal at 128.
-        persistent = (False, not (spec.causal and dpad > 64))
-    dkdv_persistent, dq_persistent = persistent
-    key_tiles = kv_heads * (g.skp // g.key_rows) * batch
-    return dataclasses.replace(
-        g,
-        dkdv_rounds=Rounds.of(key_tiles, interpret, dkdv_persistent),
-        dq_rounds=Rounds.of(heads * g.q_tiles * batch, interpret, dq_persistent),
+        persistent=(False, not (spec.causal and dpad > 64)) if persistent is None else persistent,
+        registers_a=not interpret,
+        fused=fused,
+        tma_reduce=not interpret,
     )
 
 
