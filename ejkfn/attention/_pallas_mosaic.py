@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._mosaic_grid import Rounds, query_tile, resident_ctas
+from ._mosaic_grid import Rounds, feed_ring, query_tile, resident_ctas
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
@@ -311,33 +311,19 @@ def _fwd_kernel(
     def _memory() -> None:
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-        def stream_tile(t: Any, first_step: Any) -> Any:
+        def items(t: Any) -> tuple[Any, Any]:
             b, h, _, cta_steps = tile(t)
-            kvh = lax.div(h, jnp.int32(g.group))
+            return cta_steps, (b, lax.div(h, jnp.int32(g.group)))
 
-            def fetch(kv: Any, carry: Any) -> Any:
-                step = first_step + kv
-                slot = slot_of(step)
-                src = (b, pl.ds(kv * bk, bk), kvh)
-                refill = step >= slots  # the slot held block step - slots: wait for its release
-                pl.when(refill)(lambda: plgpu.barrier_wait(k_used.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot])
-                pl.when(refill)(lambda: plgpu.barrier_wait(v_used.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot])
-                return carry
+        def fetch(coords: Any, kv: Any, slot: Any) -> tuple[Any, Any]:
+            # K and V apart: K's slot is released after S = Q K^T, before P V reads V.
+            src = (coords[0], pl.ds(kv * bk, bk), coords[1])
+            return (
+                lambda: plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot]),
+                lambda: plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot]),
+            )
 
-            lax.fori_loop(0, cta_steps, fetch, None)
-            return first_step + cta_steps
-
-        streamed = lax.fori_loop(0, my_tiles, stream_tile, jnp.int32(0))
-
-        def drain(step: Any, carry: Any) -> Any:
-            # Observe the last releases too, so every barrier phase is waited on before exit.
-            plgpu.barrier_wait(k_used.at[slot_of(step)])
-            plgpu.barrier_wait(v_used.at[slot_of(step)])
-            return carry
-
-        lax.fori_loop(jnp.maximum(streamed - slots, 0), streamed, drain, None)
+        feed_ring(slots, my_tiles, items, fetch, (k_used, v_used))
 
 
 def _interpreting(interpret: bool | None) -> bool:

@@ -62,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
-from ._mosaic_grid import Rounds, query_tile, resident_ctas, split_index
+from ._mosaic_grid import Rounds, feed_ring, query_tile, resident_ctas, split_index
 from ._spec import AttentionSpec
 
 __all__ = [
@@ -496,49 +496,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             coords = tile(t)
             return coords[4] * g.group, coords
 
-        def fetch(coords: Any, i: Any, slot: Any) -> None:
+        def fetch(coords: Any, i: Any, slot: Any) -> tuple[Any]:
             b, kvh, _, first, per_head = coords
             blocks = jnp.maximum(per_head, 1)
             h = kvh * g.group + lax.div(i, blocks)
             rows = pl.ds((first + lax.rem(i, blocks)) * bq, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[slot], q_ready.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_ready.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_ready.at[slot])
-            plgpu.copy_gmem_to_smem(
-                delta_ref.at[b, h, rows], delta_ring.at[slot], delta_ready.at[slot]
-            )
 
-        _feed(slots, my_tiles, items, fetch, consumed)
+            def copy() -> None:
+                for src, ring, ready_ in (
+                    (q_ref.at[b, rows, h], q_ring, q_ready),
+                    (do_ref.at[b, rows, h], do_ring, do_ready),
+                    (lse_ref.at[b, h, rows], lse_ring, lse_ready),
+                    (delta_ref.at[b, h, rows], delta_ring, delta_ready),
+                ):
+                    plgpu.copy_gmem_to_smem(src, ring.at[slot], ready_.at[slot])
 
+            return (copy,)
 
-def _feed(slots: int, tiles: Any, tile: Any, fetch: Any, consumed: Any) -> None:
-    """The memory warpgroup's loop over its CTA's ``tiles``: ``tile(t)`` gives tile ``t``'s item
-    count and coordinates, ``fetch(coords, i, slot)`` copies its ``i``-th item into the ring (one
-    stream across tiles), each slot refilled once released; then drain."""
-
-    def slot_of(n: Any) -> Any:
-        return lax.rem(n, jnp.int32(slots))
-
-    def stream(t: Any, start: Any) -> Any:
-        count, coords = tile(t)
-
-        def item(i: Any, carry: Any) -> Any:
-            n = start + i
-            pl.when(n >= slots)(lambda: plgpu.barrier_wait(consumed.at[slot_of(n)]))
-            fetch(coords, i, slot_of(n))
-            return carry
-
-        lax.fori_loop(0, count, item, None)
-        return start + count
-
-    streamed = lax.fori_loop(0, tiles, stream, jnp.int32(0))
-
-    def drain(n: Any, carry: Any) -> Any:
-        # Observe the last releases too, so every barrier phase is waited on before exit.
-        plgpu.barrier_wait(consumed.at[slot_of(n)])
-        return carry
-
-    lax.fori_loop(jnp.maximum(streamed - slots, 0), streamed, drain, None)
+        feed_ring(slots, my_tiles, items, fetch, (consumed,))
 
 
 def _dq_kernel(
@@ -636,17 +611,21 @@ def _dq_kernel(
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-        def fetch(coords: Any, kv: Any, slot: Any) -> None:
+        def fetch(coords: Any, kv: Any, slot: Any) -> tuple[Any]:
             b, h, _, _ = coords
             keys = (b, pl.ds(kv * bk, bk), lax.div(h, jnp.int32(g.group)))
-            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
+
+            def copy() -> None:
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
+
+            return (copy,)
 
         def items(t: Any) -> tuple[Any, Any]:
             coords = tile(t)
             return coords[3], coords
 
-        _feed(slots, my_tiles, items, fetch, consumed)
+        feed_ring(slots, my_tiles, items, fetch, (consumed,))
 
 
 def _geom(
