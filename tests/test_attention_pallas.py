@@ -47,11 +47,12 @@ class Case:
     mask: tuple[int, int] | None = None
     segments: bool = False
     dropout: float = 0.0
+    scale: float | None = None  # default 1 / sqrt(dim)
 
     @property
     def spec(self) -> AttentionSpec:
         return AttentionSpec(
-            scale=float(self.dim) ** -0.5,
+            scale=float(self.dim) ** -0.5 if self.scale is None else self.scale,
             causal=self.causal,
             window=self.window,
             soft_cap=self.cap,
@@ -339,8 +340,9 @@ MOSAIC_CASES = {
     [
         Case(seq_q=128, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
         Case(seq_q=200, seq_k=100, dim=80, dtype=jnp.bfloat16, causal=True),  # padded, empty rows
+        Case(seq_q=128, seq_k=128, dim=64, dtype=jnp.bfloat16, scale=-20.0),  # max turns over
     ],
-    ids=["f16_causal_gqa", "bf16_d80_q_longer"],
+    ids=["f16_causal_gqa", "bf16_d80_q_longer", "bf16_negative_scale"],
 )
 def test_mosaic_forward_in_gpu_interpreter(case):
     """Mosaic GPU's interpreter simulates the warpgroups, barriers and TMA copies (slow: tiny)."""
