@@ -95,9 +95,15 @@ _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 
 
 def _compute_registers(compute_wgs: int) -> int:
-    """Per-thread registers of each compute warpgroup: the SM's 64 Ki registers (512 per thread of
-    one warpgroup) less the memory warpgroup's, shared out, in multiples of 8, at most 256."""
-    return min(256, (512 - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
+    """Per-thread registers of each compute warpgroup, in multiples of 8, at most 256.
+
+    Every warpgroup starts with the register file shared out evenly (168 a thread for three), and
+    ``setmaxnreg`` only moves registers between them: the compute warpgroups get what the memory
+    warpgroup gives up. Asking for more waits forever (an H200 hung so).
+    """
+    wgs = compute_wgs + 1
+    pool = wgs * min(256, 65536 // (128 * wgs) // 8 * 8)
+    return min(256, (pool - _MEMORY_REGISTERS) // compute_wgs // 8 * 8)
 
 
 def _cdiv(a: int, b: int) -> int:
