@@ -6,8 +6,9 @@ JAX's Pallas-Triton ``mha`` where it imports), it
 
 1. checks forward and gradients against an f32 XLA reference on fresh random inputs (bf16 relative
    error must stay under 2e-2; NaN never passes), and skips timing a failing variant;
-2. times forward and forward+backward: warm-up, then the median of ``--iters`` calls, each ended with
-   ``block_until_ready``, rotating over two input sets;
+2. times forward and forward+backward: after warm-up, ``--rounds`` rounds in which each implementation
+   in turn runs a batch of ``--calls`` calls back to back (input sets rotating), waited on once; the
+   median over rounds (drifts of the machine's speed fall on all alike);
 3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
    versions to ``--out`` (default ``benchmarks/results``).
 
@@ -209,6 +210,22 @@ def back_to_back_ms(fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], cal
     return (time.perf_counter() - t0) * 1e3 / calls
 
 
+def interleaved_ms(
+    fns: dict[str, Callable[..., Any]], arg_sets: list[tuple[Any, ...]], calls: int, rounds: int
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each of ``fns`` (already warm), one :func:`back_to_back_ms` batch of
+    ``calls`` calls each per round, in turn, ``rounds`` times: drifts of the machine's speed (it
+    throttles on power) fall on all alike. Each round starts one implementation later, so none
+    always follows the same one (a light one leaves the clock boosted for the next)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        shift = r % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(back_to_back_ms(fns[name], arg_sets, calls))
+    return times
+
+
 def device_info() -> dict[str, Any]:
     dev = jax.devices()[0]
     info: dict[str, Any] = {
@@ -286,7 +303,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one shape, causal and not")
     parser.add_argument("--check-only", action="store_true", help="correctness only, no timing")
     parser.add_argument("--shapes", help="BxSxHxD[xKVH] list, comma-separated")
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=8, help="calls per batch, back to back")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of batches")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--skip", help="leave out implementations whose name contains this text")
@@ -322,51 +340,51 @@ def main() -> int:
         if args.skip:
             impls = {name: fn for name, fn in impls.items() if args.skip not in name}
         arg_sets = [inputs(case, seed) for seed in (1, 2)]
-        for name, fn in impls.items():
-            entry: dict[str, Any] = {"case": case.name, "impl": name}
+        entries: dict[str, dict[str, Any]] = {}
+        passes: dict[str, dict[str, Callable[..., Any]]] = {"fwd": {}, "fwd_bwd": {}}
+        for name, fn in impls.items():  # correctness first; compile and warm what passes
+            entry = entries[name] = {"case": case.name, "impl": name}
             try:
-                errors = check(fn, case, seed=len(results) + 7)
+                errors = check(fn, case, seed=len(results) + len(entries) + 7)
                 entry["rel_err"] = errors
                 worst = max(errors.values())
-                ok = worst == worst and worst < 2e-2  # NaN fails
-                entry["correct"] = ok
-                if not ok:
-                    rows.append((case.name, name, None, None, f"WRONG {errors}"))
-                    results.append(entry)
-                    continue
-                if args.check_only:
-                    rows.append((case.name, name, None, None, f"ok (max rel err {worst:.1e})"))
-                    results.append(entry)
-                    continue
-                fwd = jax.jit(fn)
-                fwd_ms = median_ms(fwd, [a[:3] for a in arg_sets], args.warmup, args.iters)
-                entry["fwd_ms"] = fwd_ms
-                entry["fwd_tflops"] = case.flops(False) / fwd_ms / 1e9
-                both = None
-                if not args.no_backward:
-                    fb = jax.jit(fwd_bwd(fn))
-                    both = median_ms(fb, arg_sets, args.warmup, args.iters)
-                    entry["fwd_bwd_ms"] = both
-                    entry["fwd_bwd_tflops"] = case.flops(True) / both / 1e9
-                rows.append(
-                    (
-                        case.name,
-                        name,
-                        entry["fwd_tflops"],
-                        entry.get("fwd_bwd_tflops"),
-                        f"max rel err {worst:.1e}",
-                    )
+                entry["correct"] = worst == worst and worst < 2e-2  # NaN fails
+                entry["note"] = (
+                    f"max rel err {worst:.1e}" if entry["correct"] else f"WRONG {errors}"
                 )
+                if entry["correct"] and not args.check_only:
+                    fwd = jax.jit(fn)
+                    median_ms(fwd, [a[:3] for a in arg_sets], args.warmup, 1)
+                    passes["fwd"][name] = fwd
+                    if not args.no_backward:
+                        both = jax.jit(fwd_bwd(fn))
+                        median_ms(both, arg_sets, args.warmup, 1)
+                        passes["fwd_bwd"][name] = both
             except Exception as exc:
                 entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                entry["note"] = entry["error"][:80]
                 traceback.print_exc(limit=3)
-                rows.append((case.name, name, None, None, entry["error"][:80]))
+                for fns in passes.values():
+                    fns.pop(name, None)
+        for key, fns in passes.items():
+            sets = arg_sets if key == "fwd_bwd" else [a[:3] for a in arg_sets]
+            times = interleaved_ms(fns, sets, args.calls, args.rounds)
+            for name, ms in times.items():
+                entry = entries[name]
+                entry[f"{key}_ms"] = statistics.median(ms)
+                entry[f"{key}_tflops"] = case.flops(key == "fwd_bwd") / entry[f"{key}_ms"] / 1e9
+                entry[f"{key}_spread"] = max(ms) / min(ms)
+        for name, entry in entries.items():
+            note = entry.pop("note")
+            rows.append(
+                (case.name, name, entry.get("fwd_tflops"), entry.get("fwd_bwd_tflops"), note)
+            )
             results.append(entry)
             print(
-                f"  {case.name:28} {name:28} {rows[-1][2] or '-'} {rows[-1][3] or '-'} {rows[-1][4]}",
+                f"  {case.name:28} {name:28} {rows[-1][2] or '-'} {rows[-1][3] or '-'} {note}",
                 flush=True,
             )
-            save(results)
+        save(results)
 
     # ratios to cuDNN, per case
     cudnn = {r["case"]: r for r in results if r["impl"] == "jax.nn cudnn"}

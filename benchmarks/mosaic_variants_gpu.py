@@ -37,7 +37,15 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, back_to_back_ms, device_info, fwd_bwd, inputs, median_ms, parse_shapes
+from attention import (
+    Case,
+    device_info,
+    fwd_bwd,
+    inputs,
+    interleaved_ms,
+    median_ms,
+    parse_shapes,
+)
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
@@ -145,10 +153,8 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             except Exception as exc:  # report and go on: one variant failing must not end the run
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
         per_round = max(1, args.iters // args.rounds)
-        for _ in range(args.rounds):
-            for name in timed:
-                fn = impls[name]
-                timed[name] += [back_to_back_ms(fn, [s[:arity] for s in sets], per_round)]
+        fns = {name: impls[name] for name in timed}
+        timed = interleaved_ms(fns, [s[:arity] for s in sets], per_round, args.rounds)
         base = statistics.median(timed["cudnn"]) if "cudnn" in timed else None
         for name, row in case_rows.items():
             if name in timed:
