@@ -489,6 +489,19 @@ def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
             np.testing.assert_array_equal(a, b, err_msg=name_)
 
 
+def test_mosaic_register_splits_fit_what_setmaxnreg_can_move():
+    """setmaxnreg only moves registers between a CTA's warpgroups, which start with the register
+    file shared out evenly (168 a thread for three warpgroups, 256 for two): asking for more than
+    that pool hangs the kernel on the GPU."""
+    fwd = _pallas_mosaic
+    assert fwd.COMPUTE_WGS * fwd.COMPUTE_REGISTERS + fwd.MEMORY_REGISTERS <= 3 * 168
+    bwd = _pallas_mosaic_bwd
+    for compute_wgs, pool in ((1, 2 * 256), (2, 3 * 168)):
+        registers = bwd._compute_registers(compute_wgs)
+        assert registers % 8 == 0 and registers <= 256
+        assert compute_wgs * registers + bwd._MEMORY_REGISTERS <= pool
+
+
 def test_mosaic_backward_choice():
     """The heuristic takes the Mosaic backward up to head dim 128; the tuner sees both kinds."""
     spec = AttentionSpec(scale=0.1, causal=True)
