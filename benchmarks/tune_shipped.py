@@ -6,6 +6,8 @@ forward and backward (each native backend's heuristic config plus up to ``--per-
 from its candidates), and stores the fastest under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
+It then times the same candidates forward alone; where another one's forward is the fastest, the
+stored config carries it as its ``inference`` config (calls that nothing differentiates run it).
 
 Installing (anywhere): ``--install FOLDER...`` merges such folders into ``ejkfn/_shipped``, the read-only
 layer every user's selection consults after their own caches.
@@ -17,6 +19,7 @@ Usage: ``python benchmarks/tune_shipped.py [--out DIR]`` then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -85,6 +88,19 @@ def pruned_candidates(shape: AttentionShape, per_backend: int) -> list[Attention
     return cfgs
 
 
+def with_inference(train: AttentionConfig, forward: AttentionConfig | None) -> AttentionConfig:
+    """``train`` (fastest forward and backward), carrying ``forward`` (fastest forward alone) as its
+    inference config where that runs another backend or other forward blocks."""
+    if forward is None:
+        return train
+    same = (forward.platform, forward.variant, forward.fwd) == (
+        train.platform,
+        train.variant,
+        train.fwd,
+    )
+    return train if same else dataclasses.replace(train, inference=forward)
+
+
 def tune(args: argparse.Namespace) -> None:
     kind = str(jax.devices()[0].device_kind)
     folder = Path(args.out) / f"shipped_{kind.replace(' ', '_')}"
@@ -112,13 +128,20 @@ def tune(args: argparse.Namespace) -> None:
             if report.best is None:
                 continue
             times = {repr(r.cfg): r.seconds for r in report.results if r.ok}
+            forward = tuner.tune(inv, cfgs, validate_backward=False)
+            print(forward.table())
+            forward_times = {repr(r.cfg): r.seconds for r in forward.results if r.ok}
+            best = with_inference(report.best, forward.best)
             meta = {
                 "shape": name,
                 "device_kind": kind,
                 "tuned_fwd_bwd_ms": min(times.values()) * 1e3,
+                "tuned_fwd_ms": min(forward_times.values(), default=float("nan")) * 1e3,
             }
-            store = store.put(inv.portable_key, report.best, meta=meta)
-            log.append({"shape": name, "best": repr(report.best), "seconds": times})
+            store = store.put(inv.portable_key, best, meta=meta)
+            log.append(
+                {"shape": name, "best": repr(best), "seconds": times, "fwd_seconds": forward_times}
+            )
     store.save()
     (folder / ".lock").unlink(missing_ok=True)
     Path(args.out, f"tune_shipped_{kind.replace(' ', '_')}.json").write_text(

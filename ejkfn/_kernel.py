@@ -35,7 +35,10 @@ class Kernel(eqx.Module, Generic[Cfg, Out]):
     define ``run`` (or ``run_{platform}`` methods: ``run_gpu``/``run_cuda``, ``run_tpu``, ``run_cpu``,
     or ``run_triton``/``run_pallas``/``run_xla``), ``heuristic_cfg`` and ``candidate_cfgs`` (the
     reference's name ``config_space`` works too). A kernel that also defines ``fwd`` (forward returning
-    ``(out, residuals)``) and ``bwd`` (``(residuals, cotangent) -> gradients``) gets a custom VJP.
+    ``(out, residuals)``) and ``bwd`` (``(residuals, cotangent) -> gradients``) gets a custom VJP;
+    one that further defines ``inference`` (same arguments and ``cfg`` as ``fwd``, returning the
+    output alone) computes calls that nothing differentiates with it, e.g. on a backend whose
+    forward is faster than the one that suits training.
 
     ``cfg`` is static: it decides the compiled program, so a configured kernel is a hashable pytree
     value that can sit inside a model and cross ``jax.jit`` boundaries. With ``cfg=None`` a call selects

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,14 +42,19 @@ def _grad_for(grads: Any, where: int | str, count: int, differentiable: bool) ->
 
 
 def custom_vjp(
-    fwd: Callable[..., tuple[Any, Any]], bwd: Callable[[Any, Any], Any]
+    fwd: Callable[..., tuple[Any, Any]],
+    bwd: Callable[[Any, Any], Any],
+    *,
+    primal: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
     """A function computing ``fwd(*args, **kwargs)[0]`` whose gradient is given by ``bwd``.
 
     ``fwd`` returns ``(out, residuals)``; ``bwd(residuals, cotangent)`` returns one gradient per
     positional argument (a tuple; ``None`` for none), or a mapping from position or keyword name to
     gradient, so keyword arrays such as a bias get gradients too. Arrays of any argument are
-    differentiable; everything else is static and never differentiated.
+    differentiable; everything else is static and never differentiated. ``primal``, if given,
+    computes the output where the call is not differentiated (inference), in place of ``fwd``: it
+    must return what ``fwd``'s output would be, and may get there another way.
 
     >>> import jax, jax.numpy as jnp, ejkfn
     >>> square = ejkfn.custom_vjp(lambda x: (x * x, x), lambda x, g: (2 * x * g,))
@@ -65,9 +71,9 @@ def custom_vjp(
             owners += [where] * len(split_static(value)[0])
 
         @jax.custom_vjp
-        def f(*dyn: Any) -> Any:
+        def f(*dyn: Any) -> Any:  # traced only where nothing differentiates the call
             a, kw = merge_static(list(dyn), static)
-            return fwd(*a, **kw)[0]
+            return fwd(*a, **kw)[0] if primal is None else primal(*a, **kw)
 
         def f_fwd(*dyn: Any) -> tuple[Any, Any]:
             a, kw = merge_static(list(dyn), static)
@@ -110,7 +116,8 @@ def custom_vjp(
 
 
 def call_with_custom_vjp(kernel: Any, cfg: Any, args: Any, kwargs: Mapping[str, Any]) -> Any:
-    """Call a kernel that defines ``fwd``/``bwd`` so that its backward gives the gradients."""
+    """Call a kernel that defines ``fwd``/``bwd`` so that its backward gives the gradients; where
+    the call is not differentiated, its ``inference`` hook (if it has one) gives the output."""
 
     def fwd(*a: Any, **kw: Any) -> tuple[Any, Any]:
         return kernel.fwd(*a, cfg=cfg, **kw)
@@ -118,4 +125,6 @@ def call_with_custom_vjp(kernel: Any, cfg: Any, args: Any, kwargs: Mapping[str, 
     def bwd(res: Any, g: Any) -> Any:
         return kernel.bwd(res, g, cfg=cfg)
 
-    return custom_vjp(fwd, bwd)(*args, **kwargs)
+    inference = getattr(kernel, "inference", None)
+    primal = None if inference is None else functools.partial(inference, cfg=cfg)
+    return custom_vjp(fwd, bwd, primal=primal)(*args, **kwargs)

@@ -814,6 +814,42 @@ def test_config_validation() -> None:
         FlashAttention(platform="gpu")
     cfg = AttentionConfig(platform="xla", variant="chunked", fwd=FwdParams(q_blocksize=32))
     assert ejkfn.from_json(ejkfn.to_json(cfg)) == cfg
+    both = AttentionConfig(platform="xla", variant="dense", inference=cfg)
+    assert ejkfn.from_json(ejkfn.to_json(both)) == both
+    with pytest.raises(TypeError, match="inference must be None or an AttentionConfig"):
+        AttentionConfig(platform="xla", inference=FwdParams())
+    with pytest.raises(ValueError, match="must not have an inference config of its own"):
+        AttentionConfig(platform="xla", inference=both)
+    mixed = AttentionConfig(platform="xla", inference=AttentionConfig(platform="triton"))
+    q = jnp.ones((1, 8, 1, 8))
+    with pytest.raises(ValueError, match=r"cfg\.inference\.platform='triton'"):
+        flash_attention(q, q, q, platform="xla", cfg=mixed)
+
+
+def test_inference_config_serves_calls_nothing_differentiates(key: jax.Array) -> None:
+    """A config's ``inference`` runs calls that are not differentiated (here chunked XLA, whose
+    scan marks it in the program), the config itself those that are (dense XLA)."""
+    q, k, v = (jax.random.normal(kk, (1, 96, 2, 16)) for kk in jax.random.split(key, 3))
+    dense = AttentionConfig(platform="xla", variant="dense")
+    cfg = dataclasses.replace(dense, inference=AttentionConfig(platform="xla", variant="chunked"))
+
+    def attend(q, cfg):
+        return ejkfn.flash_attention(q, k, v, causal=True, cfg=cfg)
+
+    def loops(fn, *args):
+        text = str(jax.make_jaxpr(fn)(*args))
+        return "scan" in text or "while" in text
+
+    assert loops(functools.partial(attend, cfg=cfg), q)
+    assert not loops(functools.partial(attend, cfg=dense), q)
+    assert not loops(jax.grad(lambda q: attend(q, cfg).sum()), q)
+    np.testing.assert_allclose(attend(q, cfg), attend(q, dense), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        jax.grad(lambda q: attend(q, cfg).sum())(q),
+        jax.grad(lambda q: attend(q, dense).sum())(q),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 # --- properties --------------------------------------------------------------------------------------

@@ -11,25 +11,26 @@ import pytest
 from ._subprocess import ROOT, child_env
 
 
-def _run(script: str, *args: str, out) -> list[dict]:
+def _run(script: str, *args: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    [saved] = list(out.glob("*.json"))
-    data = json.loads(saved.read_text())
-    return data["results"] if "results" in data else data["rows"]
+
+
+def _saved(folder, pattern: str) -> dict:
+    [path] = folder.glob(pattern)
+    return json.loads(path.read_text())
 
 
 @pytest.mark.slow
 def test_attention_benchmark_checks_then_times(tmp_path):
-    results = _run(
-        "attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", out=tmp_path
-    )
+    _run("attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
+    results = _saved(tmp_path, "attention_bench_*.json")["results"]
     timed = [r for r in results if "fwd_bwd_ms" in r]
     assert {r["impl"] for r in timed} >= {"jax.nn xla", "ejkfn auto"}
     assert all(r["correct"] and r["fwd_ms"] > 0 and r["fwd_bwd_spread"] >= 1 for r in timed)
@@ -38,10 +39,31 @@ def test_attention_benchmark_checks_then_times(tmp_path):
 
 @pytest.mark.slow
 def test_mosaic_variants_benchmark_smoke(tmp_path):
-    rows = _run(
-        "mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--fma-exp2", "32",
-        out=tmp_path,
-    )  # fmt: skip
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--fma-exp2", "32", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     mosaic = [r for r in rows if r["impl"].startswith("mosaic")]
     assert len(mosaic) == 4  # the default and the FMA-exp2 forward, causal and not
     assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic)
+
+
+@pytest.mark.slow
+def test_tune_shipped_stores_a_config_per_shape(tmp_path):
+    _run("tune_shipped.py", "--shapes", "1x64x2x16", "--iters", "1", "--out", str(tmp_path))
+    log = _saved(tmp_path, "tune_shipped_*.json")["log"]
+    assert [entry["shape"] for entry in log] == ["1x64x2/2x16", "1x64x2/2x16 causal"]
+    assert all(entry["seconds"] and entry["fwd_seconds"] for entry in log)
+
+
+def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import with_inference
+
+    from ejkfn import FwdParams
+    from ejkfn.attention import AttentionConfig
+
+    train = AttentionConfig(platform="cudnn", variant="cudnn")
+    mosaic = AttentionConfig(platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=128))
+    assert with_inference(train, None) is train
+    assert with_inference(train, train) is train
+    assert with_inference(train, mosaic).inference == mosaic
+    assert with_inference(train, mosaic).platform == "cudnn"

@@ -110,6 +110,27 @@ def test_custom_vjp_transform_on_functions():
         jax.grad(bad)(1.0, 2.0)
 
 
+def test_custom_vjp_primal_serves_undifferentiated_calls():
+    """``primal`` computes calls that nothing differentiates; ``fwd`` and ``bwd`` the rest."""
+    traced = []
+
+    def fwd(x):
+        traced.append("fwd")
+        return jnp.sin(x), x
+
+    def primal(x):
+        traced.append("primal")
+        return jnp.sin(x)
+
+    f = ejkfn.custom_vjp(fwd, lambda x, g: (g * jnp.cos(x),), primal=primal)
+    x = jnp.linspace(0.0, 1.0, 5)
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x), rtol=1e-6)
+    assert traced == ["primal"]
+    traced.clear()
+    np.testing.assert_allclose(jax.grad(lambda x: f(x).sum())(x), jnp.cos(x), rtol=1e-6)
+    assert traced == ["fwd"]
+
+
 # --- mapping with a shared config ------------------------------------------------------------------
 
 

@@ -49,6 +49,10 @@ class AttentionConfig:
             the call, preferring ones native to the device.
         fwd: block sizes and launch parameters of the forward pass.
         bwd: block sizes and launch parameters of the backward pass.
+        inference: the config of calls that nothing differentiates, where another backend's
+            forward is faster than this one's (e.g. a forward+backward tuned config runs cuDNN,
+            and the Mosaic forward leads on causal shapes); None: this config. Its own
+            ``inference`` must be None, and its ``bwd`` is never used.
 
     >>> AttentionConfig(platform="xla", variant="chunked").fwd.kv_blocksize
     64
@@ -58,6 +62,7 @@ class AttentionConfig:
     variant: str | None = None
     fwd: FwdParams = FwdParams()
     bwd: BwdParams = BwdParams()
+    inference: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.platform, str) or self.platform not in _CONFIG_PLATFORMS:
@@ -71,6 +76,15 @@ class AttentionConfig:
             raise TypeError(f"fwd must be a FwdParams; got {self.fwd!r}")
         if not isinstance(self.bwd, BwdParams):
             raise TypeError(f"bwd must be a BwdParams; got {self.bwd!r}")
+        if self.inference is not None:
+            if not isinstance(self.inference, AttentionConfig):
+                raise TypeError(
+                    f"inference must be None or an AttentionConfig; got {self.inference!r}"
+                )
+            if self.inference.inference is not None:
+                raise ValueError(
+                    f"inference={self.inference!r} must not have an inference config of its own"
+                )
 
 
 def registered_backends() -> tuple[AttentionBackend, ...]:
@@ -511,8 +525,12 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         )
         return {0: dq, 1: dk, 2: dv, 3: dbias}
 
+    def inference(self, *args: Any, cfg: AttentionConfig, **kwargs: Any) -> jax.Array:
+        """The output of a call that nothing differentiates: on ``cfg.inference`` where set."""
+        return self.fwd(*args, cfg=cfg.inference or cfg, **kwargs)[0]
+
     def run(self, *args: Any, cfg: AttentionConfig, **kwargs: Any) -> jax.Array:
-        return self.fwd(*args, cfg=cfg, **kwargs)[0]
+        return self.inference(*args, cfg=cfg, **kwargs)
 
     # --- configs ---
 
@@ -683,6 +701,11 @@ def flash_attention(
             raise TypeError(f"cfg must be an AttentionConfig; got {type(cfg).__name__}: {cfg!r}")
         if platform not in ("auto", cfg.platform):
             raise ValueError(f"platform={platform!r} disagrees with cfg.platform={cfg.platform!r}")
+        if cfg.inference is not None and platform not in ("auto", cfg.inference.platform):
+            raise ValueError(
+                f"platform={platform!r} disagrees with "
+                f"cfg.inference.platform={cfg.inference.platform!r}"
+            )
     if not isinstance(platform, str):
         raise TypeError(f"platform must be a str; got {platform!r}")
     if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):
