@@ -32,6 +32,8 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "configured kernel: True",
         "pending after save: 0",
         "answered by: persistent | same config: True",
+        "inference runs chunked: True",
+        "training runs dense: True",
     ),
     "02_custom_kernel": (
         "ValueError: ",
