@@ -138,9 +138,6 @@ class _Geom:
     persistent: bool
     fused_pv: bool = True
     pingpong: bool = True
-    # Scale inside exp2's argument (measured 1.01-1.08x scaling the scores first, H200:
-    # results/mosaic_variants_NVIDIA_H200_20261121-145438.json).
-    fold_scale: bool = True
     # Key columns of a block whose exp2 runs on the FMA units (0: all on the special-function
     # unit). An experiment, not yet measured: the fold's gain says the softmax is partly exposed.
     fma_exp2_cols: int = 0
@@ -148,6 +145,13 @@ class _Geom:
     @property
     def offset(self) -> int:
         return self.seq_k - self.seq_q
+
+    @property
+    def fold_scale(self) -> bool:
+        """Scale inside exp2's argument (measured 1.01-1.08x scaling the scores first, H200:
+        results/mosaic_variants_NVIDIA_H200_20261121-145438.json); a negative scale would turn
+        the row max over."""
+        return self.scale > 0
 
     @property
     def q_tiles(self) -> int:
@@ -426,7 +430,6 @@ def _forward(
         persistent=persistent,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
-        fold_scale=spec.scale > 0,  # a negative scale turns the row max over
         fma_exp2_cols=fma_exp2_cols,
     )
     if fma_exp2_cols % 16 or not 0 <= fma_exp2_cols < g.bk:

@@ -314,6 +314,13 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
+def _p_and_ds(s: Any, dp: Any, lse: Any, delta: Any, axis: int) -> tuple[Any, Any]:
+    """P = 2^(S - lse) and dS = P (dP - delta) of a tile of scaled (base-2) scores, with ``lse``
+    and ``delta``, vectors over the query rows, broadcast along the tile's ``axis`` of them."""
+    p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
+    return p, p * (dp - lax.broadcast_in_dim(delta, s.shape, [axis]))
+
+
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
     for barrier in barriers:
         plgpu.barrier_wait(barrier.at[slot])
@@ -383,10 +390,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, shape, [1]))
                 plgpu.barrier_wait(delta_ready.at[slot])
                 delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, shape, [1]))
+                p_t, ds_t = _p_and_ds(s_t, dp_t, lse, delta, axis=1)  # queries along columns
                 return p_t.astype(dtype), ds_t.astype(dtype)
 
             def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
@@ -583,8 +589,7 @@ def _dq_kernel(
                     if g.causal:
                         ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
                     s = jnp.where(ok, s, -jnp.inf)
-                p = jnp.exp2(s - lax.broadcast_in_dim(lse, shape, [0]))
-                ds = p * (dp - lax.broadcast_in_dim(delta, shape, [0]))
+                _, ds = _p_and_ds(s, dp, lse, delta, axis=0)  # queries along rows
                 own_staging = tuple(s_.at[wg] for s_ in staging)
                 (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
                 plgpu.barrier_arrive(consumed.at[slot])
