@@ -2,19 +2,23 @@
 
 For each ejkfn backend that can run on this device (each platform and variant, with its heuristic
 config, plus ``platform="auto"``) and the peers (cuDNN and XLA through ``jax.nn.dot_product_attention``,
-JAX's Pallas-Triton ``mha`` where it imports), it
+JAX's Pallas-Triton ``mha``, tokamax's Mosaic GPU and Triton attention and ejkernel's Triton attention
+where they import), it
 
 1. checks forward and gradients against an f32 XLA reference on fresh random inputs (bf16 relative
    error must stay under 2e-2; NaN never passes), and skips timing a failing variant;
 2. times forward and forward+backward: after warm-up, ``--rounds`` rounds in which each implementation
-   in turn runs a batch of ``--calls`` calls back to back (input sets rotating), waited on once; the
-   median over rounds (drifts of the machine's speed fall on all alike);
+   in turn (a new order each round) runs an untimed batch, then a timed batch, of ``--calls`` calls back
+   to back (input sets rotating), waited on once; the median over rounds (drifts of the machine's
+   speed fall on all alike);
 3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
    versions to ``--out`` (default ``benchmarks/results``).
 
 FLOPs: ``4 * B * H * Sq * Sk * D`` forward (half when causal); forward+backward is 3.5 times that.
 
-Usage: ``python benchmarks/attention.py [--quick] [--check-only] [--shapes 2x8192x16x128,...]``.
+Usage: ``python benchmarks/attention.py [--quick] [--check-only] [--shapes 2x8192x16x128,...]
+[--peers FOLDER]``: FOLDER holds the peer libraries (installed with ``pip install --target``); it goes
+last on the import path, so the packages already installed win over its copies.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import platform as host_platform
+import random
 import statistics
 import subprocess
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -142,6 +149,48 @@ def peer_impls(case: Case) -> dict[str, Callable[..., jax.Array]]:
             impls["jax pallas-triton mha"] = mha
     except Exception as exc:  # a peer that does not import is reported, not fatal
         print(f"peer jax pallas mha unavailable: {type(exc).__name__}: {exc}")
+    impls.update(library_peers(case))
+    return impls
+
+
+def _stand_in_profiler() -> None:
+    """tokamax imports the xprof profiler at start; we time with our own clock, so where xprof is
+    not installed empty modules stand in for the three it imports."""
+    try:
+        import xprof.cli.tools  # noqa: F401
+    except ImportError:
+        for name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+            sys.modules.setdefault(name, types.ModuleType(name))
+        sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None  # type: ignore[attr-defined]
+
+
+def library_peers(case: Case) -> dict[str, Callable[..., jax.Array]]:
+    """tokamax's Mosaic GPU and Triton attention and ejkernel's Triton attention, each on its own
+    default config, where the library imports (``--peers`` adds a folder of them to the path)."""
+    impls: dict[str, Callable[..., jax.Array]] = {}
+    scale = case.dim**-0.5
+    try:
+        _stand_in_profiler()
+        import tokamax
+
+        logging.getLogger("absl").setLevel(logging.ERROR)  # a warning per autotuning-cache miss
+
+        for implementation in ("mosaic_gpu", "triton"):
+            impls[f"tokamax {implementation}"] = lambda q, k, v, implementation=implementation: (
+                tokamax.dot_product_attention(
+                    q, k, v, scale=scale, is_causal=case.causal, implementation=implementation
+                )
+            )
+    except Exception as exc:
+        print(f"peer tokamax unavailable: {type(exc).__name__}: {exc}")
+    try:
+        from ejkernel.kernels._triton import flash_attention as ejkernel_triton
+
+        impls["ejkernel triton"] = lambda q, k, v: ejkernel_triton(
+            q, k, v, softmax_scale=scale, causal=case.causal
+        )
+    except Exception as exc:
+        print(f"peer ejkernel unavailable: {type(exc).__name__}: {exc}")
     return impls
 
 
@@ -215,13 +264,17 @@ def interleaved_ms(
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each of ``fns`` (already warm), one :func:`back_to_back_ms` batch of
     ``calls`` calls each per round, in turn, ``rounds`` times: drifts of the machine's speed (it
-    throttles on power) fall on all alike. Each round starts one implementation later, so none
-    always follows the same one (a light one leaves the clock boosted for the next)."""
+    throttles on power) fall on all alike. Each round takes the implementations in a new order, and
+    an untimed batch of the same implementation runs just before each timed one: the chip's clock
+    follows the power drawn, and a light kernel (or an idle gap) leaves it boosted for whatever runs
+    next, which read up to 10% fast when timed straight after it."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = random.Random(0)
     names = list(fns)
-    for r in range(rounds):
-        shift = r % max(len(names), 1)
-        for name in names[shift:] + names[:shift]:
+    for _ in range(rounds):
+        order.shuffle(names)
+        for name in names:
+            back_to_back_ms(fns[name], arg_sets, calls)  # settle the clock on this kernel's load
             times[name].append(back_to_back_ms(fns[name], arg_sets, calls))
     return times
 
@@ -260,8 +313,9 @@ def summary(results: list[dict[str, Any]]) -> str:
             by_case.setdefault(r["case"], {})[r["impl"]] = r
     lines = [
         "| shape | best ejkfn fwd / cuDNN | best ejkfn fwd+bwd / cuDNN | auto / fastest ejkfn (fwd, "
-        "fwd+bwd) | Triton / mha (fwd, fwd+bwd) | Pallas-Triton / mha (fwd, fwd+bwd) |",
-        "|---|---|---|---|---|---|",
+        "fwd+bwd) | Triton / mha (fwd, fwd+bwd) | Pallas-Triton / mha (fwd, fwd+bwd) | best ejkfn / "
+        "best tokamax (fwd, fwd+bwd) |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def ratio(a: float | None, b: float | None) -> str:
@@ -294,6 +348,16 @@ def summary(results: list[dict[str, Any]]) -> str:
                 f"{ratio(r.get('fwd_tflops'), mha.get('fwd_tflops'))}, "
                 f"{ratio(r.get('fwd_bwd_tflops'), mha.get('fwd_bwd_tflops'))}"
             )
+        tokamax = {n: r for n, r in impls.items() if n.startswith("tokamax ")}
+        cells.append(
+            ", ".join(
+                ratio(
+                    max((r.get(k) or 0 for r in kernels.values()), default=0),
+                    max((r.get(k) or 0 for r in tokamax.values()), default=0),
+                )
+                for k in ("fwd_tflops", "fwd_bwd_tflops")
+            )
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -307,11 +371,19 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of batches")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
-    parser.add_argument("--skip", help="leave out implementations whose name contains this text")
+    parser.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        help="leave out implementations whose name contains this text (repeatable)",
+    )
+    parser.add_argument("--peers", help="folder of peer libraries, appended to the import path")
     parser.add_argument(
         "--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results")
     )
     args = parser.parse_args()
+    if args.peers:
+        sys.path.append(str(Path(args.peers).resolve()))
 
     if args.shapes:
         shapes = parse_shapes(args.shapes)
@@ -337,8 +409,7 @@ def main() -> int:
     rows: list[tuple[str, str, float | None, float | None, str]] = []
     for case in cases:
         impls = {**peer_impls(case), **ejkfn_impls(case)}
-        if args.skip:
-            impls = {name: fn for name, fn in impls.items() if args.skip not in name}
+        impls = {n: fn for n, fn in impls.items() if not any(text in n for text in args.skip)}
         arg_sets = [inputs(case, seed) for seed in (1, 2)]
         entries: dict[str, dict[str, Any]] = {}
         passes: dict[str, dict[str, Callable[..., Any]]] = {"fwd": {}, "fwd_bwd": {}}

@@ -142,13 +142,15 @@ def tune(args: argparse.Namespace) -> None:
             log.append(
                 {"shape": name, "best": repr(best), "seconds": times, "fwd_seconds": forward_times}
             )
-    store.save()
-    (folder / ".lock").unlink(missing_ok=True)
-    Path(args.out, f"tune_shipped_{kind.replace(' ', '_')}.json").write_text(
-        json.dumps(
-            {"device": kind, "versions": dict(ejkfn.software_versions()), "log": log}, indent=1
-        )
-    )
+            # After every shape: a run cut off by its time limit keeps what it tuned.
+            store = store.save()
+            (folder / ".lock").unlink(missing_ok=True)
+            Path(args.out, f"tune_shipped_{kind.replace(' ', '_')}.json").write_text(
+                json.dumps(
+                    {"device": kind, "versions": dict(ejkfn.software_versions()), "log": log},
+                    indent=1,
+                )
+            )
     print(f"\n{len(store)} configs in {folder}")
 
 
