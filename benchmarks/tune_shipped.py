@@ -6,8 +6,9 @@ forward and backward (each native backend's heuristic config plus up to ``--per-
 from its candidates), and stores the fastest under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
-It then times the same candidates forward alone; where another one's forward is the fastest, the
-stored config carries it as its ``inference`` config (calls that nothing differentiates run it).
+It then times the same candidates forward alone; where another one's forward is the fastest by more
+than 3%, the stored config carries it as its ``inference`` config (calls that nothing differentiates
+run it).
 
 Installing (anywhere): ``--install FOLDER...`` merges such folders into ``ejkfn/_shipped``, the read-only
 layer every user's selection consults after their own caches.
@@ -25,6 +26,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,17 +90,29 @@ def pruned_candidates(shape: AttentionShape, per_backend: int) -> list[Attention
     return cfgs
 
 
-def with_inference(train: AttentionConfig, forward: AttentionConfig | None) -> AttentionConfig:
-    """``train`` (fastest forward and backward), carrying ``forward`` (fastest forward alone) as its
-    inference config where that runs another backend or other forward blocks."""
-    if forward is None:
+INFERENCE_MARGIN = 0.03  # two timings of one forward differed by up to 4% in the tuner's runs
+
+
+def with_inference(
+    train: AttentionConfig,
+    forward_seconds: Sequence[tuple[AttentionConfig, float]],
+    margin: float = INFERENCE_MARGIN,
+) -> AttentionConfig:
+    """``train`` (fastest forward and backward), carrying the fastest forward alone as its inference
+    config where that runs another backend or other forward blocks and beats ``train``'s own forward
+    by more than ``margin``: a smaller lead is within the timing noise, and would only flip a coin."""
+    if not forward_seconds:
         return train
+    forward, fastest = min(forward_seconds, key=lambda pair: pair[1])
     same = (forward.platform, forward.variant, forward.fwd) == (
         train.platform,
         train.variant,
         train.fwd,
     )
-    return train if same else dataclasses.replace(train, inference=forward)
+    own = next((t for cfg, t in forward_seconds if cfg == train), None)
+    if same or (own is not None and own <= fastest * (1 + margin)):
+        return train
+    return dataclasses.replace(train, inference=forward)
 
 
 def tune(args: argparse.Namespace) -> None:
@@ -131,7 +145,9 @@ def tune(args: argparse.Namespace) -> None:
             forward = tuner.tune(inv, cfgs, validate_backward=False)
             print(forward.table())
             forward_times = {repr(r.cfg): r.seconds for r in forward.results if r.ok}
-            best = with_inference(report.best, forward.best)
+            best = with_inference(
+                report.best, [(r.cfg, r.seconds) for r in forward.results if r.ok]
+            )
             meta = {
                 "shape": name,
                 "device_kind": kind,

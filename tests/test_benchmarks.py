@@ -63,7 +63,10 @@ def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
 
     train = AttentionConfig(platform="cudnn", variant="cudnn")
     mosaic = AttentionConfig(platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=128))
-    assert with_inference(train, None) is train
-    assert with_inference(train, train) is train
-    assert with_inference(train, mosaic).inference == mosaic
-    assert with_inference(train, mosaic).platform == "cudnn"
+    assert with_inference(train, []) is train
+    assert with_inference(train, [(train, 1.0), (mosaic, 1.5)]) is train
+    assert with_inference(train, [(train, 1.0), (mosaic, 0.9)]).inference == mosaic
+    assert with_inference(train, [(train, 1.0), (mosaic, 0.9)]).platform == "cudnn"
+    # a lead within the timing noise keeps the training config's own forward
+    assert with_inference(train, [(train, 1.02), (mosaic, 1.0)]) is train
+    assert with_inference(train, [(train, 1.02), (mosaic, 1.0)], margin=0.01).inference == mosaic
