@@ -1,5 +1,6 @@
 """Ring attention over 4 and 8 host devices equals attention on one device, forward and gradients."""
 
+import dataclasses
 import functools
 
 import jax
@@ -155,6 +156,33 @@ def test_inside_shard_map_with_explicit_cfg_and_scale(key):
     _close(out, want)
 
 
+def test_inference_config_serves_calls_nothing_differentiates(key):
+    """The local backend of ``cfg.inference`` (dense XLA: no loop in the program) runs the ring when
+    nothing differentiates it; gradients still run ``cfg``'s (chunked XLA, a scan)."""
+    mesh = _mesh(4)
+    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    chunked = AttentionConfig(platform="xla", variant="chunked")
+    cfg = dataclasses.replace(chunked, inference=AttentionConfig(platform="xla", variant="dense"))
+    spec = P(None, "sp")
+
+    def ring(cfg):
+        body = functools.partial(ring_attention, axis_name="sp", causal=True, cfg=cfg)
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+
+    def grad_q(cfg, q):
+        return jax.vjp(lambda q: ring(cfg)(q, k, v), q)[1](do)[0]
+
+    def loops(fn, *args):
+        return "scan" in str(jax.make_jaxpr(fn)(*args))
+
+    assert not loops(ring(cfg), q, k, v)
+    assert loops(ring(chunked), q, k, v)
+    assert loops(functools.partial(grad_q, cfg), q)
+    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=16**-0.5, causal=True))
+    _close(jax.jit(ring(cfg))(q, k, v), want[0])
+    _close(jax.jit(grad_q, static_argnums=0)(cfg, q), jax.jit(grad_q, static_argnums=0)(chunked, q))
+
+
 def _call(mesh, q, k, v, **kw):
     return ring_attention_sharded(q, k, v, mesh, "sp", **kw)
 
@@ -182,6 +210,16 @@ def _call(mesh, q, k, v, **kw):
             ((1, 16, 2, 8),) * 3,
             {"cfg": AttentionConfig(platform="cudnn")},
             "platform='cudnn'",
+        ),
+        (
+            ((1, 16, 2, 8),) * 3,
+            {
+                "platform": "xla",
+                "cfg": AttentionConfig(
+                    platform="xla", inference=AttentionConfig(platform="triton")
+                ),
+            },
+            r"cfg\.inference\.platform='triton'",
         ),
         (((1, 16, 2, 8),) * 3, {"layout": "spiral"}, "layout"),
         (((1, 16, 2, 8),) * 3, {"layout": "zigzag"}, "causal=False"),

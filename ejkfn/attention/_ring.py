@@ -215,9 +215,16 @@ def _merge(
 
 
 def _choose(
-    platform: str, cfg: AttentionConfig | None, base: AttentionSpec, shape: AttentionShape
+    platform: str,
+    cfg: AttentionConfig | None,
+    base: AttentionSpec,
+    shape: AttentionShape,
+    *,
+    differentiated: bool = True,
 ) -> _Local:
-    """The local backend: ``cfg``'s, else the platform's (``auto``: the device's best) non-dense one."""
+    """The local backend: ``cfg``'s, else the platform's (``auto``: the device's best) non-dense one.
+    One that only serves calls nothing differentiates (``differentiated=False``) runs forwards only,
+    so its backward need not use the saved out and lse."""
     needed = _needed(base)
     if cfg is not None:
         backend = backend_for(cfg.platform, cfg.variant or _default_variant(cfg.platform))
@@ -225,7 +232,7 @@ def _choose(
     else:
         backend = _backend_for_platform(platform, needed)
         params = backend.heuristic(shape)
-    if not backend.bwd_uses_residuals:
+    if differentiated and not backend.bwd_uses_residuals:
         # Its backward normalises with its own row sums, not the whole sequence's out and lse that
         # a ring passes in; on xla the chunked variant computes the same numbers blockwise.
         raise ValueError(
@@ -300,7 +307,8 @@ def ring_attention(
         softmax_scale: defaults to ``1 / sqrt(dim)`` (static).
         platform: the local backend's platform, ``"auto"`` (the device's best that supports the
             call) or a registered one; XLA uses its chunked variant.
-        cfg: an explicit :class:`ejkfn.attention.AttentionConfig` for the local backend (static).
+        cfg: an explicit :class:`ejkfn.attention.AttentionConfig` for the local backend (static);
+            its ``inference`` config, where set, computes the calls that nothing differentiates.
         layout: ``"contiguous"`` (device ``i`` holds the ``i``-th of ``n`` equal slices) or, for causal
             attention without a window, ``"zigzag"``: the sequence is cut into ``2n`` chunks and
             device ``i`` holds chunks ``i`` then ``2n - 1 - i`` (lay data out with
@@ -350,8 +358,11 @@ def ring_attention(
     if cfg is not None:
         if not isinstance(cfg, AttentionConfig):
             raise ValueError(f"cfg must be an AttentionConfig or None; got cfg={cfg!r}")
-        if platform not in ("auto", cfg.platform):
-            raise ValueError(f"platform={platform!r} disagrees with cfg.platform={cfg.platform!r}")
+        for name, part in (("cfg", cfg), ("cfg.inference", cfg.inference)):
+            if part is not None and platform not in ("auto", part.platform):
+                raise ValueError(
+                    f"platform={platform!r} disagrees with {name}.platform={part.platform!r}"
+                )
     try:
         window = _window(sliding_window)
         scale = (
@@ -374,12 +385,16 @@ def ring_attention(
             f"length; got causal={causal!r}, sliding_window={sliding_window!r}, seq_local={length}"
         )
     base = AttentionSpec(scale=scale, causal=bool(causal), window=window)
-    local = _choose(platform, cfg, base, AttentionShape.of(q, k, base))
+    shape = AttentionShape.of(q, k, base)
+    local = _choose(platform, cfg, base, shape)
+    serving = local
+    if cfg is not None and cfg.inference is not None:
+        serving = _choose(platform, cfg.inference, base, shape, differentiated=False)
     if layout == "zigzag":
         steps = _zigzag_steps(base, length, n)
     else:
         steps = _contiguous_steps(base, length, n)
-    return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local)
+    return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local, serving=serving)
 
 
 def _ring(
@@ -391,7 +406,9 @@ def _ring(
     n: int,
     steps: tuple[tuple[_Pair, _Pair], ...],
     local: _Local,
+    serving: _Local,
 ) -> jax.Array:
+    """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest."""
     perm = [(i, (i + 1) % n) for i in range(n)]
 
     def shift(*xs: jax.Array) -> tuple[jax.Array, ...]:
@@ -405,7 +422,9 @@ def _ring(
         index = lax.axis_index(axis_name)
         return lax.cond(index >= s, lambda: before(pair_b), lambda: wrapped(pair_w))
 
-    def forward(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def forward(
+        q: jax.Array, k: jax.Array, v: jax.Array, local: _Local
+    ) -> tuple[jax.Array, jax.Array]:
         out, lse = local.fwd(steps[0][0], q, k, v)
         kb, vb = k, v
         for s in range(1, n):
@@ -419,10 +438,10 @@ def _ring(
 
     @jax.custom_vjp
     def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        return forward(q, k, v)[0]
+        return forward(q, k, v, serving)[0]
 
     def attend_fwd(q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
-        out, lse = forward(q, k, v)
+        out, lse = forward(q, k, v, local)
         return out, (q, k, v, out, lse)
 
     def attend_bwd(res: Any, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
