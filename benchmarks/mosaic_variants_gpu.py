@@ -76,7 +76,6 @@ def implementations(
     backward: bool,
     fwds: Sequence[FwdParams] = (),
     one_tile_per_cta: bool = False,
-    fma_exp2: Sequence[int] = (),
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -103,14 +102,6 @@ def implementations(
                 )[0]
 
             impls["mosaic one tile per CTA"] = jax.jit(one_tile)
-        for cols in fma_exp2:  # part of each block's exp2 on the FMA units
-
-            def fma(q, k, v, cols=cols):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, fma_exp2_cols=cols
-                )[0]
-
-            impls[f"mosaic, exp2 of {cols} columns on FMA"] = jax.jit(fma)
         return impls
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
     for name, bp in BACKWARDS.items():
@@ -146,9 +137,8 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in (False, True) if args.backward == "yes" else (False,):
         flops = case.flops(backward)
-        fma_exp2 = [int(c) for c in filter(None, args.fma_exp2.split(","))]
         impls = implementations(
-            case, backward, forward_blocks(args.fwd_blocks), args.one_tile_per_cta, fma_exp2
+            case, backward, forward_blocks(args.fwd_blocks), args.one_tile_per_cta
         )
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
@@ -207,9 +197,6 @@ def main() -> int:
     parser.add_argument("--backward", choices=("yes", "no"), default="yes")
     parser.add_argument(
         "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
-    )
-    parser.add_argument(
-        "--fma-exp2", default="", help="also forwards with N key columns' exp2 on FMA: 16,32"
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

@@ -356,31 +356,6 @@ def test_mosaic_forward_in_gpu_interpreter(case):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
 
 
-def test_mosaic_forward_exp2_on_fma_units():
-    """Part of each block's exp2 on the FMA units (a cubic and the exponent bits): the same
-    outputs, zeros and -inf for rows that see no key; both paths lower for CUDA."""
-    case = Case(seq_q=200, seq_k=160, heads=2, kv_heads=1, dim=80, dtype=jnp.bfloat16, causal=True)
-    x = _inputs(case, 5)
-    fp = FwdParams(q_blocksize=128, kv_blocksize=128, num_stages=2)
-    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
-    for cols in (0, 32):
-        out, lse = _pallas_mosaic._forward(
-            x["q"], x["k"], x["v"], spec=case.spec, params=fp, interpret=True, fma_exp2_cols=cols
-        )
-        assert _err(out, want) < TOL[case.dtype]
-        finite = np.isfinite(np.asarray(want_lse))
-        assert not finite.all()  # rows 0-39 see no key
-        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-        np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
-        np.testing.assert_array_equal(np.asarray(out, np.float32)[:, :40], 0.0)
-    for cols in (24, 128):
-        with pytest.raises(ValueError, match=f"fma_exp2_cols={cols}"):
-            _pallas_mosaic._forward(
-                x["q"], x["k"], x["v"], spec=case.spec, params=fp, interpret=True,
-                fma_exp2_cols=cols,
-            )  # fmt: skip
-
-
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_mosaic_lowers_for_cuda(name):
     text = _lower(_pallas_mosaic, MOSAIC_CASES[name], H100, "cuda")

@@ -69,24 +69,6 @@ _UNSUPPORTED = frozenset(
 # on an H200.
 _SMEM_LIMIT = 232448 - 3072
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
-# 2**f on [-1/2, 1/2], cubic, fitted for relative error (at most 1.3e-4: below bfloat16's rounding).
-_EXP2_CUBIC = (0.9999486933966101, 0.6932553511958872, 0.2423180603751005, 0.05505375091275471)
-_ROUND_BY_ADDING = 1.5 * 2.0**23  # x + this holds round(x) in its low mantissa bits
-
-
-def _exp2_on_fma(x: Any) -> Any:
-    """``2**x`` for ``x <= 0`` on the FMA units rather than the special-function unit (after
-    FlashAttention 4): the integer part goes into the exponent bits, a cubic gives the rest. Below
-    -127 (and at -inf) it is 0."""
-    x = jnp.maximum(x, -127.0)
-    # The barrier keeps (x + r) - r from being simplified to x (XLA on a CPU does).
-    shifted = lax.optimization_barrier(x + _ROUND_BY_ADDING)
-    frac = x - (shifted - _ROUND_BY_ADDING)
-    c0, c1, c2, c3 = _EXP2_CUBIC
-    poly = c0 + frac * (c1 + frac * (c2 + frac * c3))
-    exponent = lax.shift_left(lax.bitcast_convert_type(shifted, jnp.int32), 23)
-    bits = lax.bitcast_convert_type(poly, jnp.int32) + exponent
-    return jnp.where(x > -127.0, lax.bitcast_convert_type(bits, jnp.float32), 0.0)
 
 
 def available() -> bool:
@@ -138,9 +120,6 @@ class _Geom:
     persistent: bool
     fused_pv: bool = True
     pingpong: bool = True
-    # Key columns of a block whose exp2 runs on the FMA units (0: all on the special-function
-    # unit). An experiment, not yet measured: the fold's gain says the softmax is partly exposed.
-    fma_exp2_cols: int = 0
 
     @property
     def offset(self) -> int:
@@ -274,13 +253,7 @@ def _fwd_kernel(
                 alpha = jnp.exp2(m - m_new)
                 scaled = s * log2_scale if g.fold_scale else s
                 x = scaled - lax.broadcast_in_dim(m_new, s.shape, [0])
-                if g.fma_exp2_cols:  # the last columns' exp2 on the FMA units, beside the SFU's
-                    split = bk - g.fma_exp2_cols
-                    p = jnp.concatenate(
-                        [jnp.exp2(x[:, :split]), _exp2_on_fma(x[:, split:])], axis=1
-                    )
-                else:
-                    p = jnp.exp2(x)
+                p = jnp.exp2(x)
                 den = den * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
@@ -404,7 +377,6 @@ def _forward(
     interpret: bool | None,
     pingpong: bool = True,
     persistent: bool = True,
-    fma_exp2_cols: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -430,12 +402,7 @@ def _forward(
         persistent=persistent,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
-        fma_exp2_cols=fma_exp2_cols,
     )
-    if fma_exp2_cols % 16 or not 0 <= fma_exp2_cols < g.bk:
-        raise ValueError(
-            f"fma_exp2_cols={fma_exp2_cols} must be a multiple of 16 below the key block {g.bk}"
-        )
 
     def pad(x: Any, seq: int) -> Any:
         return jnp.pad(x, ((0, 0), (0, seq - x.shape[1]), (0, 0), (0, g.dpad - x.shape[3])))
