@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
 import platform as host_platform
-import random
 import statistics
 import subprocess
 import sys
@@ -250,32 +250,30 @@ def median_ms(
     return statistics.median(times)
 
 
-def back_to_back_ms(fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], calls: int) -> float:
-    """Mean milliseconds per call of ``calls`` calls dispatched back to back (input sets rotating)
-    and waited on once: the device never idles on the host between them, as in a graph replay."""
-    t0 = time.perf_counter()
-    outs = [fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)]
-    jax.block_until_ready(outs)
-    return (time.perf_counter() - t0) * 1e3 / calls
-
-
 def interleaved_ms(
     fns: dict[str, Callable[..., Any]], arg_sets: list[tuple[Any, ...]], calls: int, rounds: int
 ) -> dict[str, list[float]]:
-    """Milliseconds per call of each of ``fns`` (already warm), one :func:`back_to_back_ms` batch of
-    ``calls`` calls each per round, in turn, ``rounds`` times: drifts of the machine's speed (it
-    throttles on power) fall on all alike. Each round takes the implementations in a new order, and
-    an untimed batch of the same implementation runs just before each timed one: the chip's clock
-    follows the power drawn, and a light kernel (or an idle gap) leaves it boosted for whatever runs
-    next, which read up to 10% fast when timed straight after it."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    order = random.Random(0)
-    names = list(fns)
-    for _ in range(rounds):
-        order.shuffle(names)
-        for name in names:
-            back_to_back_ms(fns[name], arg_sets, calls)  # settle the clock on this kernel's load
-            times[name].append(back_to_back_ms(fns[name], arg_sets, calls))
+    """Milliseconds per call of each of ``fns`` (already warm), one reading a round: in each round,
+    in a new order, an untimed batch of ``calls`` calls then a timed one, back to back, the input
+    sets rotating (:func:`ejkfn.interleaved_seconds`; the untimed batch settles the clock on this
+    kernel's load, since a light kernel timed before left it boosted: up to 10% fast)."""
+
+    def rotating(fn: Callable[..., Any]) -> Callable[[], Any]:
+        sets = itertools.cycle(arg_sets)
+        return lambda: fn(*next(sets))
+
+    readings = ejkfn.interleaved_seconds(
+        {name: rotating(fn) for name, fn in fns.items()},
+        warmup=0,
+        calls=calls * rounds,
+        rounds=rounds,
+        settle=calls,
+    )
+    times: dict[str, list[float]] = {}
+    for name, seconds in readings.items():
+        if isinstance(seconds, Exception):
+            raise seconds
+        times[name] = [t * 1e3 for t in seconds]
     return times
 
 

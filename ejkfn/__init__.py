@@ -68,6 +68,7 @@ from ._tune import Tuner as Tuner
 from ._tune import TuneReport as TuneReport
 from ._tune import autotune as autotune
 from ._tune import benchmark as benchmark
+from ._tune import interleaved_seconds as interleaved_seconds
 from ._vjp import custom_vjp as custom_vjp
 from .attention import AttentionConfig as AttentionConfig
 from .attention import FlashAttention as FlashAttention

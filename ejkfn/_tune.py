@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
+import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -20,7 +22,15 @@ if TYPE_CHECKING:
     from ._invocation import Invocation
     from ._kernel import Kernel
 
-__all__ = ["CandidateResult", "TuneReport", "Tuner", "autotune", "benchmark", "random_like"]
+__all__ = [
+    "CandidateResult",
+    "TuneReport",
+    "Tuner",
+    "autotune",
+    "benchmark",
+    "interleaved_seconds",
+    "random_like",
+]
 
 
 def random_like(tree: Any, key: jax.Array) -> Any:
@@ -52,22 +62,72 @@ def _block(tree: Any) -> Any:
     return jax.block_until_ready(tree)
 
 
-def _median_seconds(fn: Callable[[], Any], warmup: int, iters: int, bound: float | None) -> float:
-    for _ in range(warmup):
-        t0 = time.perf_counter()
-        _block(fn())
-        if bound is not None and time.perf_counter() - t0 > bound:
-            raise TimeoutError(
-                f"one call took {time.perf_counter() - t0:.3g} s, over the bound of {bound} s"
-            )
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        _block(fn())
-        times.append(time.perf_counter() - t0)
-        if bound is not None and times[-1] > bound:
-            raise TimeoutError(f"one call took {times[-1]:.3g} s, over the bound of {bound} s")
-    return statistics.median(times)
+def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) -> float:
+    """``calls`` calls of ``fn`` dispatched back to back and waited on once, in seconds per call."""
+    t0 = time.perf_counter()
+    _block([fn() for _ in range(calls)])
+    seconds = (time.perf_counter() - t0) / calls
+    if bound is not None and seconds > bound:
+        raise TimeoutError(f"one call took {seconds:.3g} s, over the bound of {bound} s")
+    return seconds
+
+
+def interleaved_seconds[K](
+    fns: Mapping[K, Callable[[], Any]],
+    *,
+    warmup: int = 2,
+    calls: int = 10,
+    rounds: int = 3,
+    settle: int = 1,
+    bound: float | None = None,
+    seed: int = 0,
+) -> dict[K, list[float] | Exception]:
+    """Seconds per call of each of ``fns``, one reading a round, or the exception it raised.
+
+    After ``warmup`` calls of each (one at a time, each waited on), the ``calls`` timed calls of each
+    are split over ``rounds`` rounds. In a round the functions take turns in a new (seeded) order;
+    a turn runs ``settle`` untimed calls, then its share of the timed calls back to back, waited on
+    once, and reads the time per call. Drifts of the machine's speed then fall on all alike, and
+    none is timed in the wake of a lighter one: a GPU's clock follows the power drawn, so a kernel
+    timed right after a light one reads fast. A function that raises, or whose call takes more than
+    ``bound`` seconds, drops out with that exception.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones(64)
+    >>> times = interleaved_seconds({"sin": lambda: jnp.sin(x), "cos": lambda: jnp.cos(x)}, calls=4)
+    >>> {name: len(readings) for name, readings in times.items()}
+    {'sin': 3, 'cos': 3}
+    """
+    if warmup < 0 or settle < 0 or calls < 1 or rounds < 1:
+        raise ValueError(
+            f"need warmup >= 0, settle >= 0, calls >= 1 and rounds >= 1; got {warmup=}, "
+            f"{settle=}, {calls=}, {rounds=}"
+        )
+    rounds = min(rounds, calls)
+    outcome: dict[K, list[float] | Exception] = {}
+    for key, fn in fns.items():
+        try:
+            for _ in range(warmup):
+                _seconds_per_call(fn, 1, bound)
+            outcome[key] = []
+        except Exception as exc:  # this one drops out; the others are still timed
+            outcome[key] = exc
+    running = [key for key in fns if isinstance(outcome[key], list)]
+    order = random.Random(seed)
+    for r in range(rounds):
+        share = calls // rounds + (r < calls % rounds)
+        order.shuffle(running)
+        for key in list(running):
+            try:
+                for _ in range(settle):
+                    _block(fns[key]())
+                readings = outcome[key]
+                assert isinstance(readings, list)
+                readings.append(_seconds_per_call(fns[key], share, bound))
+            except Exception as exc:
+                outcome[key] = exc
+                running.remove(key)
+    return outcome
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,9 +179,14 @@ def _short(exc: BaseException) -> str:
 class Tuner:
     """Benchmarks candidate configs of a kernel call.
 
+    Candidates are timed in interleaved rounds (:func:`interleaved_seconds`): each round times every
+    candidate in a new order, after one untimed call of it, so that drifts of the machine's speed
+    fall on all alike; a candidate's time is the median of its rounds.
+
     Attributes:
-        warmup: untimed calls before timing each candidate.
-        iters: timed calls; the median is kept.
+        warmup: untimed calls of each candidate before the rounds.
+        iters: timed calls of each candidate, split over the rounds and run back to back there.
+        rounds: interleaved rounds (at most ``iters``).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
         compile_threads: threads compiling candidates ahead of timing (``None``: up to the CPU count).
         progress: show a progress bar; ``None`` shows one only on tunes that take more than 2 s.
@@ -133,6 +198,7 @@ class Tuner:
 
     warmup: int = 2
     iters: int = 10
+    rounds: int = 3
     max_seconds_per_call: float | None = None
     compile_threads: int | None = None
     progress: bool | None = None
@@ -143,12 +209,31 @@ class Tuner:
             raise ValueError(f"warmup must be >= 0; got {self.warmup=}")
         if self.iters < 1:
             raise ValueError(f"iters must be >= 1; got {self.iters=}")
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be >= 1; got {self.rounds=}")
+
+    def timings[K](self, fns: Mapping[K, Callable[[], Any]]) -> dict[K, float | Exception]:
+        """Median seconds per call of each of ``fns`` over the interleaved rounds, or the exception
+        it raised."""
+        readings = interleaved_seconds(
+            fns,
+            warmup=self.warmup,
+            calls=self.iters,
+            rounds=self.rounds,
+            bound=self.max_seconds_per_call,
+            seed=self.seed,
+        )
+        return {
+            key: r if isinstance(r, Exception) else statistics.median(r)
+            for key, r in readings.items()
+        }
 
     def measure(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
         """Median seconds of ``fn(*args, **kwargs)`` after warm-up (``fn`` is called as given)."""
-        return _median_seconds(
-            lambda: fn(*args, **kwargs), self.warmup, self.iters, self.max_seconds_per_call
-        )
+        seconds = self.timings({0: lambda: fn(*args, **kwargs)})[0]
+        if isinstance(seconds, Exception):
+            raise seconds
+        return seconds
 
     def tune(
         self, inv: Invocation, candidates: Sequence[Any], *, validate_backward: bool = False
@@ -196,20 +281,13 @@ class Tuner:
                 except Exception as exc:
                     results[i] = CandidateResult(candidates[i], error=_short(exc), phase="compile")
                 bar.update(1)
-        for i, cfg in enumerate(candidates):
-            if i in compiled:
-                exe = compiled[i]
-                try:
-                    seconds = _median_seconds(
-                        lambda exe=exe: exe(dynamic),
-                        self.warmup,
-                        self.iters,
-                        self.max_seconds_per_call,
-                    )
-                    results[i] = CandidateResult(cfg, seconds=seconds)
-                except Exception as exc:
-                    results[i] = CandidateResult(cfg, error=_short(exc), phase="run")
-            bar.update(1)
+        timed = self.timings({i: functools.partial(compiled[i], dynamic) for i in sorted(compiled)})
+        for i, seconds in timed.items():
+            if isinstance(seconds, Exception):
+                results[i] = CandidateResult(candidates[i], error=_short(seconds), phase="run")
+            else:
+                results[i] = CandidateResult(candidates[i], seconds=seconds)
+        bar.update(len(candidates))
         bar.close()
         ordered = tuple(results[i] for i in range(len(candidates)))
         ok = [r for r in ordered if r.ok]

@@ -35,6 +35,7 @@ def test_reference_names_are_present():
         "Tuner",
         "autotune",
         "benchmark",
+        "interleaved_seconds",
         "choose_config",
         "configure",
         "compile",

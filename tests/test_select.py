@@ -512,3 +512,45 @@ def test_tuner_bounds_one_call():
     report = tuner.tune(inv_of(Slow()), [ScaleCfg(block=1), ScaleCfg(block=8)])
     assert report.best == ScaleCfg(block=1)
     assert report.failures[0].cfg == ScaleCfg(block=8) and "bound" in report.failures[0].error
+
+
+def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
+    log: list[str] = []
+
+    def counted(name):
+        return lambda: log.append(name) or jnp.zeros(())
+
+    names = ["a", "b", "c", "d"]
+    times = ejkfn.interleaved_seconds(
+        {n: counted(n) for n in names}, warmup=1, calls=7, rounds=3, settle=2
+    )
+    assert {n: len(r) for n, r in times.items()} == dict.fromkeys(names, 3)
+    assert all(t > 0 for r in times.values() for t in r)
+    # warm-up 1 + 3 rounds x (2 untimed + a share of 3, 2, 2 timed)
+    assert {n: log.count(n) for n in names} == dict.fromkeys(names, 1 + 3 * 2 + 7)
+    turns = log[len(names) :]
+    firsts = [turns[i] for i in range(0, len(turns), 2 + 3)][:4]  # round 0: shares of 3
+    later = turns[4 * 5 :]
+    round_orders = [firsts, later[0 : 4 * 4 : 4], later[4 * 4 :: 4]]
+    assert all(sorted(order) == names for order in round_orders)
+    assert len({tuple(order) for order in round_orders}) > 1  # not one fixed order
+
+
+def test_interleaved_seconds_drops_what_fails_and_times_the_rest():
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise RuntimeError("device lost")
+        return jnp.zeros(())
+
+    times = ejkfn.interleaved_seconds(
+        {"ok": lambda: jnp.zeros(()), "flaky": flaky}, warmup=1, calls=6, rounds=3
+    )
+    assert len(times["ok"]) == 3
+    assert isinstance(times["flaky"], RuntimeError)
+    with pytest.raises(ValueError, match="rounds=0"):
+        ejkfn.interleaved_seconds({"ok": lambda: None}, rounds=0)
+    with pytest.raises(ValueError, match="rounds=0"):
+        ejkfn.Tuner(rounds=0)
