@@ -277,6 +277,43 @@ def interleaved_ms(
     return times
 
 
+def power_and_clock(
+    fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], seconds: float = 1.5
+) -> dict[str, float] | None:
+    """Median board power (W) and SM clock (MHz) while ``fn`` runs back to back for ``seconds``
+    (input sets rotating), sampled by ``nvidia-smi`` every 20 ms; the first third of the samples
+    is dropped (nvidia-smi starts late and the clock settles). None where nvidia-smi is missing or
+    reports nothing. With both, energy per FLOP compares kernels that throttle differently."""
+    query = ["nvidia-smi", "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits"]
+    try:
+        sampler = subprocess.Popen([*query, "-lms", "20"], stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+    try:
+        sets = itertools.cycle(arg_sets)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            jax.block_until_ready([fn(*next(sets)) for _ in range(4)])
+    finally:
+        sampler.terminate()
+        text, _ = sampler.communicate(timeout=30)
+    samples = []
+    for line in text.splitlines():
+        try:
+            watts, mhz = (float(x) for x in line.split(","))
+        except ValueError:  # "[N/A]" or a partial line
+            continue
+        samples.append((watts, mhz))
+    samples = samples[len(samples) // 3 :]
+    if not samples:
+        return None
+    return {
+        "watts": statistics.median(w for w, _ in samples),
+        "sm_mhz": statistics.median(m for _, m in samples),
+        "samples": len(samples),
+    }
+
+
 def device_info() -> dict[str, Any]:
     dev = jax.devices()[0]
     info: dict[str, Any] = {
@@ -377,6 +414,9 @@ def main() -> int:
     )
     parser.add_argument("--peers", help="folder of peer libraries, appended to the import path")
     parser.add_argument(
+        "--power", action="store_true", help="also board power and SM clock under each (nvidia-smi)"
+    )
+    parser.add_argument(
         "--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results")
     )
     args = parser.parse_args()
@@ -443,8 +483,24 @@ def main() -> int:
                 entry[f"{key}_ms"] = statistics.median(ms)
                 entry[f"{key}_tflops"] = case.flops(key == "fwd_bwd") / entry[f"{key}_ms"] / 1e9
                 entry[f"{key}_spread"] = max(ms) / min(ms)
+                if args.power:
+                    drawn = power_and_clock(fns[name], sets)
+                    if drawn:
+                        entry[f"{key}_watts"], entry[f"{key}_sm_mhz"] = (
+                            drawn["watts"],
+                            drawn["sm_mhz"],
+                        )
+                        entry[f"{key}_joules_per_pflop"] = drawn["watts"] / (
+                            entry[f"{key}_tflops"] / 1e3
+                        )
         for name, entry in entries.items():
             note = entry.pop("note")
+            if "fwd_watts" in entry or "fwd_bwd_watts" in entry:
+                note += " | " + ", ".join(
+                    f"{key} {entry[key + '_watts']:.0f} W {entry[key + '_sm_mhz']:.0f} MHz"
+                    for key in ("fwd", "fwd_bwd")
+                    if key + "_watts" in entry
+                )
             rows.append(
                 (case.name, name, entry.get("fwd_tflops"), entry.get("fwd_bwd_tflops"), note)
             )

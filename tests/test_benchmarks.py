@@ -70,3 +70,24 @@ def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
     # a lead within the timing noise keeps the training config's own forward
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)]) is train
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)], margin=0.01).inference == mosaic
+
+
+def test_power_and_clock_reads_nvidia_smi_samples(tmp_path, monkeypatch):
+    """Parsed from a stand-in ``nvidia-smi`` that prints a line it cannot read, then samples; None
+    where there is no nvidia-smi at all."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import jax.numpy as jnp
+    from attention import power_and_clock
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\necho '[N/A], [N/A]'\nwhile true; do echo '650.5, 1605'; sleep 0.02; done\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    x = jnp.ones(8)
+    drawn = power_and_clock(lambda a: a + 1, [(x,)], seconds=0.5)
+    assert drawn is not None and drawn["samples"] > 0
+    assert (drawn["watts"], drawn["sm_mhz"]) == (650.5, 1605.0)
+    fake.unlink()
+    assert power_and_clock(lambda a: a + 1, [(x,)], seconds=0.1) is None
