@@ -68,7 +68,8 @@ def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) ->
     _block([fn() for _ in range(calls)])
     seconds = (time.perf_counter() - t0) / calls
     if bound is not None and seconds > bound:
-        raise TimeoutError(f"one call took {seconds:.3g} s, over the bound of {bound} s")
+        what = "one call took" if calls == 1 else f"{calls} calls took on average"
+        raise TimeoutError(f"{what} {seconds:.3g} s, over the bound of {bound} s")
     return seconds
 
 
