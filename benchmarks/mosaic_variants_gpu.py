@@ -76,6 +76,7 @@ def implementations(
     backward: bool,
     fwds: Sequence[FwdParams] = (),
     one_tile_per_cta: bool = False,
+    serial_scores: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -103,31 +104,42 @@ def implementations(
 
             impls["mosaic one tile per CTA"] = jax.jit(one_tile)
         return impls
+    on_gpu = jax.default_backend() == "gpu"
+
+    def direct(
+        bp: BwdParams,
+        fwd_persistent: bool = True,
+        bwd_persistent: tuple[bool, bool] | None = None,
+        serial_scores: bool = False,
+    ):
+        """The Mosaic forward and backward called directly, with the kernels' private options."""
+
+        def both(q, k, v, do):
+            out, lse = _pallas_mosaic._forward(
+                q, k, v, spec=spec, params=None, interpret=None, persistent=fwd_persistent
+            )
+            grads = _pallas_mosaic_bwd.bwd(
+                q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
+                persistent=bwd_persistent, serial_scores=serial_scores,
+            )  # fmt: skip
+            return out, *grads
+
+        return jax.jit(both)
+
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
     for name, bp in BACKWARDS.items():
         if _pallas_mosaic_bwd.supports(case.dim, bp or heuristic):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp or heuristic, q, k)))
-    if one_tile_per_cta and _pallas_mosaic_bwd.supports(case.dim, heuristic):
-        on_gpu = jax.default_backend() == "gpu"
-
-        def grids(fwd_persistent: bool, bwd_persistent: tuple[bool, bool]):
-            def both(q, k, v, do):
-                out, lse = _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, persistent=fwd_persistent
+            if serial_scores:  # P^T in 16 bits before dP^T's product is issued
+                impls[f"mosaic + {name}, serial scores"] = direct(
+                    bp or heuristic, serial_scores=True
                 )
-                grads = _pallas_mosaic_bwd.bwd(
-                    q, k, v, out, lse, do, spec=spec, params=heuristic, interpret=not on_gpu,
-                    persistent=bwd_persistent,
-                )  # fmt: skip
-                return out, *grads
-
-            return jax.jit(both)
-
+    if one_tile_per_cta and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         # (dK/dV, dQ) grids of the backward behind the persistent forward; the old grids.
         for dkdv, dq in ((True, True), (False, True), (False, False)):
             name = f"persistent fwd, dK/dV {'pers.' if dkdv else 'tiles'}, dQ {'pers.' if dq else 'tiles'}"
-            impls[name] = grids(True, (dkdv, dq))
-        impls["one tile per CTA everywhere"] = grids(False, (False, False))
+            impls[name] = direct(heuristic, True, (dkdv, dq))
+        impls["one tile per CTA everywhere"] = direct(heuristic, False, (False, False))
     return impls
 
 
@@ -138,7 +150,11 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     for backward in (False, True) if args.backward == "yes" else (False,):
         flops = case.flops(backward)
         impls = implementations(
-            case, backward, forward_blocks(args.fwd_blocks), args.one_tile_per_cta
+            case,
+            backward,
+            forward_blocks(args.fwd_blocks),
+            args.one_tile_per_cta,
+            args.serial_scores,
         )
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
@@ -197,6 +213,11 @@ def main() -> int:
     parser.add_argument("--backward", choices=("yes", "no"), default="yes")
     parser.add_argument(
         "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
+    )
+    parser.add_argument(
+        "--serial-scores",
+        action="store_true",
+        help="also each backward with P^T formed before dP^T's product is issued",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

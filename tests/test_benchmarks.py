@@ -47,6 +47,16 @@ def test_mosaic_variants_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_mosaic_variants_backward_smoke(tmp_path):
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--masks", "causal", "--serial-scores", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
+    backward = {r["impl"]: r for r in rows if r["pass_"] == "fwd+bwd"}
+    for name in ("split", "fused"):
+        for impl in (f"mosaic + {name}", f"mosaic + {name}, serial scores"):
+            assert backward[impl]["max_rel_err_vs_cudnn"] < 2e-2, impl
+
+
 def test_tune_shipped_stores_a_config_per_shape(tmp_path):
     _run("tune_shipped.py", "--shapes", "1x64x2x16", "--iters", "1", "--out", str(tmp_path))
     log = _saved(tmp_path, "tune_shipped_*.json")["log"]

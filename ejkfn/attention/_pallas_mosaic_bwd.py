@@ -182,6 +182,9 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
+    # The dK/dV kernel issues dP^T only after P^T is formed (fewer registers live, no overlap of
+    # the two score products). An experiment for the fused kernel's spills, not yet measured.
+    serial_scores: bool = False
 
     @property
     def offset(self) -> int:
@@ -273,6 +276,16 @@ def _iota(shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
+def _product(a: Any, b: Any, shape: tuple[int, int]) -> Any:
+    """``a @ b`` (shared memory operands), awaited."""
+
+    def one(acc: Any) -> Any:
+        plgpu.wgmma(acc, a, b)
+        return acc[...]
+
+    return pl.run_scoped(one, plgpu.ACC(shape, jnp.float32))
+
+
 def _two_products(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple[Any, Any]:
     """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once."""
 
@@ -314,11 +327,21 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
+def _p(s: Any, lse: Any, axis: int) -> Any:
+    """P = 2^(S - lse) of a tile of scaled (base-2) scores, with ``lse``, a vector over the query
+    rows, broadcast along the tile's ``axis`` of them."""
+    return jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
+
+
+def _ds(p: Any, dp: Any, delta: Any, axis: int) -> Any:
+    """dS = P (dP - delta), ``delta`` broadcast as ``lse`` is in :func:`_p`."""
+    return p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
+
+
 def _p_and_ds(s: Any, dp: Any, lse: Any, delta: Any, axis: int) -> tuple[Any, Any]:
-    """P = 2^(S - lse) and dS = P (dP - delta) of a tile of scaled (base-2) scores, with ``lse``
-    and ``delta``, vectors over the query rows, broadcast along the tile's ``axis`` of them."""
-    p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
-    return p, p * (dp - lax.broadcast_in_dim(delta, s.shape, [axis]))
+    """:func:`_p` and :func:`_ds` of one tile."""
+    p = _p(s, lse, axis)
+    return p, _ds(p, dp, delta, axis)
 
 
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
@@ -380,18 +403,34 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
+
+                def scaled(s_t: Any) -> Any:
+                    s_t = s_t * (g.scale * LOG2E)
+                    if masked:
+                        key = _iota(shape, 0) + key_base
+                        row = _iota(shape, 1) + qb * bq
+                        s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
+                    return s_t
+
+                def row_vector(ring: Any, ready_: Any) -> Any:
+                    plgpu.barrier_wait(ready_.at[slot])
+                    return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+
+                if g.serial_scores:
+                    # P^T is 16-bit before dP^T's product is issued: its float32 accumulator
+                    # never lives beside S^T's (16 registers a thread fewer at the peak), at the
+                    # cost of the two products' overlap and of rounding P^T before dS^T.
+                    s_t = scaled(_product(k_own, q_blk.transpose((1, 0)), shape))
+                    p_t = _p(s_t, row_vector(lse_ring, lse_ready), axis=1).astype(dtype)
+                    dp_t = _product(v_own, do_blk.transpose((1, 0)), shape)
+                    delta = row_vector(delta_ring, delta_ready)
+                    return p_t, _ds(p_t.astype(jnp.float32), dp_t, delta, axis=1).astype(dtype)
                 s_t, dp_t = _two_products(
                     k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
                 )
-                s_t = s_t * (g.scale * LOG2E)
-                if masked:
-                    key = _iota(shape, 0) + key_base
-                    row = _iota(shape, 1) + qb * bq
-                    s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
-                plgpu.barrier_wait(lse_ready.at[slot])
-                lse = plgpu.load(lse_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                plgpu.barrier_wait(delta_ready.at[slot])
-                delta = plgpu.load(delta_ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                s_t = scaled(s_t)
+                lse = row_vector(lse_ring, lse_ready)
+                delta = row_vector(delta_ring, delta_ready)
                 p_t, ds_t = _p_and_ds(s_t, dp_t, lse, delta, axis=1)  # queries along columns
                 return p_t.astype(dtype), ds_t.astype(dtype)
 
@@ -646,6 +685,7 @@ def _geom(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None,
+    serial_scores: bool = False,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
@@ -700,6 +740,7 @@ def _geom(
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
+        serial_scores=serial_scores,
     )
 
 
@@ -715,6 +756,7 @@ def bwd(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None = None,
+    serial_scores: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -726,12 +768,13 @@ def bwd(
     ``params.q_blocksize`` (64 or 128) the query block the dK/dV kernel streams (fused: at most 64 at
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
     short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
-    dQ) overrides which kernels run on the persistent grid. The caller checks dtypes and features
-    (as for the forward).
+    dQ) overrides which kernels run on the persistent grid. ``serial_scores`` (an experiment) makes
+    the dK/dV kernel form P^T in 16 bits before it issues dP^T's product. The caller checks dtypes
+    and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, persistent)
+    g = _geom(q, k, spec, params, interpret, persistent, serial_scores)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
