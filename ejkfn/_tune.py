@@ -105,15 +105,16 @@ def interleaved_seconds[K](
             f"{settle=}, {calls=}, {rounds=}"
         )
     rounds = min(rounds, calls)
-    outcome: dict[K, list[float] | Exception] = {}
+    readings: dict[K, list[float]] = {}
+    failed: dict[K, Exception] = {}
     for key, fn in fns.items():
         try:
             for _ in range(warmup):
                 _seconds_per_call(fn, 1, bound)
-            outcome[key] = []
+            readings[key] = []
         except Exception as exc:  # this one drops out; the others are still timed
-            outcome[key] = exc
-    running = [key for key in fns if isinstance(outcome[key], list)]
+            failed[key] = exc
+    running = list(readings)
     order = random.Random(seed)
     for r in range(rounds):
         share = calls // rounds + (r < calls % rounds)
@@ -122,13 +123,11 @@ def interleaved_seconds[K](
             try:
                 for _ in range(settle):
                     _block(fns[key]())
-                readings = outcome[key]
-                assert isinstance(readings, list)
-                readings.append(_seconds_per_call(fns[key], share, bound))
+                readings[key].append(_seconds_per_call(fns[key], share, bound))
             except Exception as exc:
-                outcome[key] = exc
+                failed[key] = exc
                 running.remove(key)
-    return outcome
+    return {key: failed[key] if key in failed else readings[key] for key in fns}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -86,6 +86,15 @@ class AttentionConfig:
                     f"inference={self.inference!r} must not have an inference config of its own"
                 )
 
+    def check_platform(self, platform: str) -> None:
+        """Raise ``ValueError`` unless ``platform`` is ``"auto"`` or the platform of this config
+        and of its ``inference`` config."""
+        for name, part in (("cfg", self), ("cfg.inference", self.inference)):
+            if part is not None and platform not in ("auto", part.platform):
+                raise ValueError(
+                    f"platform={platform!r} disagrees with {name}.platform={part.platform!r}"
+                )
+
 
 def registered_backends() -> tuple[AttentionBackend, ...]:
     """Every registered attention backend, in registration order (platform by platform)."""
@@ -699,13 +708,7 @@ def flash_attention(
     if cfg is not None:
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig; got {type(cfg).__name__}: {cfg!r}")
-        if platform not in ("auto", cfg.platform):
-            raise ValueError(f"platform={platform!r} disagrees with cfg.platform={cfg.platform!r}")
-        if cfg.inference is not None and platform not in ("auto", cfg.inference.platform):
-            raise ValueError(
-                f"platform={platform!r} disagrees with "
-                f"cfg.inference.platform={cfg.inference.platform!r}"
-            )
+        cfg.check_platform(platform)
     if not isinstance(platform, str):
         raise TypeError(f"platform must be a str; got {platform!r}")
     if isinstance(dropout_seed, (int, np.integer)) and not isinstance(dropout_seed, bool):

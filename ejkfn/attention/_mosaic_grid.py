@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
+HOPPER_SMEM_BYTES = 232448  # shared memory one CTA may take on an H100 or H200 (227 KiB)
 _INTERPRETER_CTAS = 3  # several tiles per CTA, so the CPU tests walk the rounds too
 
 

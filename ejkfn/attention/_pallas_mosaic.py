@@ -50,7 +50,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._mosaic_grid import Rounds, feed_ring, query_tile, resident_ctas
+from ._mosaic_grid import HOPPER_SMEM_BYTES, Rounds, feed_ring, query_tile, resident_ctas
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
@@ -66,8 +66,8 @@ _UNSUPPORTED = frozenset(
     {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
 )
 # Shared memory for our buffers: Mosaic's barriers and alignment took a further 2.6 KB of the 227 KB
-# on an H200.
-_SMEM_LIMIT = 232448 - 3072
+# on an H200 (the 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes in all).
+_SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 
 

@@ -62,14 +62,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
-from ._mosaic_grid import Rounds, feed_ring, query_tile, resident_ctas, split_index
+from ._mosaic_grid import (
+    HOPPER_SMEM_BYTES,
+    Rounds,
+    feed_ring,
+    query_tile,
+    resident_ctas,
+    split_index,
+)
 from ._spec import AttentionSpec
 
 __all__ = [
     "FUSED_VARIANT",
     "LOG2E",
     "MAX_HEAD_DIM",
-    "SMEM_LIMIT",
     "VARIANT",
     "VARIANTS",
     "WG_ROWS",
@@ -85,9 +91,9 @@ WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
 Q_TILE_WGS = 2  # compute warpgroups of the dQ kernel
 MAX_HEAD_DIM = 128
 BLOCKS = (64, 128)
-# Hopper's shared memory per block (227 KiB), less what Mosaic adds (barriers, reduction scratch):
-# the forward's 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes and did not fit.
-SMEM_LIMIT = 232448 - 4096
+# What our buffers may take of a CTA's shared memory, leaving room for what Mosaic adds (barriers,
+# reduction scratch).
+_SMEM_LIMIT = HOPPER_SMEM_BYTES - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
@@ -153,11 +159,11 @@ def supports(head_dim: int, params: BwdParams) -> bool:
         if not _fused_shape_ok(d, params.q_blocksize, params.kv_blocksize):
             return False
         fits = functools.partial(_fused_smem_bytes, d, params.kv_blocksize, params.q_blocksize)
-        return bool(_ring(2, lambda s: fits(s) <= SMEM_LIMIT))
+        return bool(_ring(2, lambda s: fits(s) <= _SMEM_LIMIT))
     kv = _ring(
-        2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= SMEM_LIMIT
+        2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= _SMEM_LIMIT
     )
-    dq = _ring(2, lambda s: _dq_smem_bytes(d, params.kv_blocksize, s) <= SMEM_LIMIT)
+    dq = _ring(2, lambda s: _dq_smem_bytes(d, params.kv_blocksize, s) <= _SMEM_LIMIT)
     return bool(kv and dq)
 
 
@@ -276,26 +282,15 @@ def _iota(shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _product(a: Any, b: Any, shape: tuple[int, int]) -> Any:
-    """``a @ b`` (shared memory operands), awaited."""
+def _products(shape: tuple[int, int], *pairs: tuple[Any, Any]) -> tuple[Any, ...]:
+    """``a @ b`` of each pair (shared memory operands), issued together, awaited once."""
 
-    def one(acc: Any) -> Any:
-        plgpu.wgmma(acc, a, b)
-        return acc[...]
+    def issue(*accs: Any) -> tuple[Any, ...]:
+        for acc, (a, b) in zip(accs, pairs, strict=True):
+            plgpu.wgmma(acc, a, b)
+        return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(one, plgpu.ACC(shape, jnp.float32))
-
-
-def _two_products(a0: Any, b0: Any, a1: Any, b1: Any, shape: tuple[int, int]) -> tuple[Any, Any]:
-    """``a0 @ b0`` and ``a1 @ b1`` (shared memory operands) issued together, awaited once."""
-
-    def both(acc0: Any, acc1: Any) -> tuple[Any, Any]:
-        plgpu.wgmma(acc0, a0, b0)
-        plgpu.wgmma(acc1, a1, b1)
-        return acc0[...], acc1[...]
-
-    acc = plgpu.ACC(shape, jnp.float32)
-    return pl.run_scoped(both, acc, acc)
+    return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)] * len(pairs))
 
 
 def _accumulate(
@@ -420,13 +415,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     # P^T is 16-bit before dP^T's product is issued: its float32 accumulator
                     # never lives beside S^T's (16 registers a thread fewer at the peak), at the
                     # cost of the two products' overlap and of rounding P^T before dS^T.
-                    s_t = scaled(_product(k_own, q_blk.transpose((1, 0)), shape))
+                    (s_t,) = _products(shape, (k_own, q_blk.transpose((1, 0))))
+                    s_t = scaled(s_t)
                     p_t = _p(s_t, row_vector(lse_ring, lse_ready), axis=1).astype(dtype)
-                    dp_t = _product(v_own, do_blk.transpose((1, 0)), shape)
+                    (dp_t,) = _products(shape, (v_own, do_blk.transpose((1, 0))))
                     delta = row_vector(delta_ring, delta_ready)
                     return p_t, _ds(p_t.astype(jnp.float32), dp_t, delta, axis=1).astype(dtype)
-                s_t, dp_t = _two_products(
-                    k_own, q_blk.transpose((1, 0)), v_own, do_blk.transpose((1, 0)), shape
+                s_t, dp_t = _products(
+                    shape, (k_own, q_blk.transpose((1, 0))), (v_own, do_blk.transpose((1, 0)))
                 )
                 s_t = scaled(s_t)
                 lse = row_vector(lse_ring, lse_ready)
@@ -488,9 +484,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 dq_own = dq_stage.at[wg]
                 dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
                 if g.tma_reduce:
-                    plgpu.wait_smem_to_gmem(
-                        0, wait_read_only=True
-                    )  # the last reduce has read dq_own
+                    # The last reduce has read dq_own.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     dq_own[...] = dq
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
@@ -618,8 +613,8 @@ def _dq_kernel(
                 k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
-                s, dp = _two_products(
-                    q_own, k_blk.transpose((1, 0)), do_own, v_blk.transpose((1, 0)), shape
+                s, dp = _products(
+                    shape, (q_own, k_blk.transpose((1, 0))), (do_own, v_blk.transpose((1, 0)))
                 )
                 s = s * (g.scale * LOG2E)
                 if masked:
@@ -710,8 +705,10 @@ def _geom(
             f"kv_blocksize={key_rows}"
         )
     smem_bytes = _fused_smem_bytes if fused else _dkdv_smem_bytes
-    dkdv_slots = _ring(params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= SMEM_LIMIT)
-    dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= SMEM_LIMIT)
+    dkdv_slots = _ring(
+        params.num_stages, lambda s: smem_bytes(dpad, key_rows, bq, s) <= _SMEM_LIMIT
+    )
+    dq_slots = _ring(params.num_stages, lambda s: _dq_smem_bytes(dpad, key_rows, s) <= _SMEM_LIMIT)
     if not (dkdv_slots and (fused or dq_slots)):
         raise NotImplementedError(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "

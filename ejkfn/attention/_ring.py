@@ -358,11 +358,7 @@ def ring_attention(
     if cfg is not None:
         if not isinstance(cfg, AttentionConfig):
             raise ValueError(f"cfg must be an AttentionConfig or None; got cfg={cfg!r}")
-        for name, part in (("cfg", cfg), ("cfg.inference", cfg.inference)):
-            if part is not None and platform not in ("auto", part.platform):
-                raise ValueError(
-                    f"platform={platform!r} disagrees with {name}.platform={part.platform!r}"
-                )
+        cfg.check_platform(platform)
     try:
         window = _window(sliding_window)
         scale = (
@@ -423,15 +419,15 @@ def _ring(
         return lax.cond(index >= s, lambda: before(pair_b), lambda: wrapped(pair_w))
 
     def forward(
-        q: jax.Array, k: jax.Array, v: jax.Array, local: _Local
+        q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
-        out, lse = local.fwd(steps[0][0], q, k, v)
+        out, lse = by.fwd(steps[0][0], q, k, v)
         kb, vb = k, v
         for s in range(1, n):
             kb, vb = shift(kb, vb)
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
-                return local.fwd(pair, q, kb, vb)
+                return by.fwd(pair, q, kb, vb)
 
             out, lse = _merge(out, lse, *at_step(s, part, part))
         return out.astype(q.dtype), lse
