@@ -56,7 +56,6 @@ from ejkfn.attention._spec import AttentionSpec
 
 SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x8"
 FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosaic_fused")
-BACKWARDS = {"split": None, "fused": FUSED}  # None: the heuristic's backward (the split)
 
 
 def forward_blocks(text: str) -> list[FwdParams]:
@@ -77,6 +76,7 @@ def implementations(
     fwds: Sequence[FwdParams] = (),
     one_tile_per_cta: bool = False,
     serial_scores: bool = False,
+    other_order: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -89,7 +89,16 @@ def implementations(
     spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
-    heuristic = _pallas_mosaic.heuristic(AttentionShape.of(q, k, spec))[1]
+    shape = AttentionShape.of(q, k, spec)
+    heuristic = _pallas_mosaic.heuristic(shape)[1]
+    split = _pallas_mosaic._mosaic_bwd(shape)  # None where the head dim is too large
+    # The tile orders the kernels do not take by default for this shape (_mosaic_grid.split_index).
+    other_fwd = not _pallas_mosaic.FWD_ALONG_SEQUENCE
+    other_bwd = not _pallas_mosaic_bwd._along_sequence(case.causal, case.seq, case.seq)
+
+    def order(along_sequence: bool) -> str:
+        return "tiles along the sequence" if along_sequence else "tiles heads fastest"
+
     if not backward:
         impls = {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
         for fp in fwds:
@@ -103,6 +112,14 @@ def implementations(
                 )[0]
 
             impls["mosaic one tile per CTA"] = jax.jit(one_tile)
+        if other_order:
+
+            def reordered(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, along_sequence=other_fwd
+                )[0]
+
+            impls[f"mosaic, {order(other_fwd)}"] = jax.jit(reordered)
         return impls
     on_gpu = jax.default_backend() == "gpu"
 
@@ -111,35 +128,44 @@ def implementations(
         fwd_persistent: bool = True,
         bwd_persistent: tuple[bool, bool] | None = None,
         serial_scores: bool = False,
+        along_sequence: bool | None = None,
     ):
         """The Mosaic forward and backward called directly, with the kernels' private options."""
 
         def both(q, k, v, do):
             out, lse = _pallas_mosaic._forward(
-                q, k, v, spec=spec, params=None, interpret=None, persistent=fwd_persistent
+                q,
+                k,
+                v,
+                spec=spec,
+                params=None,
+                interpret=None,
+                persistent=fwd_persistent,
+                along_sequence=along_sequence,
             )
             grads = _pallas_mosaic_bwd.bwd(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
                 persistent=bwd_persistent, serial_scores=serial_scores,
+                along_sequence=along_sequence,
             )  # fmt: skip
             return out, *grads
 
         return jax.jit(both)
 
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
-    for name, bp in BACKWARDS.items():
-        if _pallas_mosaic_bwd.supports(case.dim, bp or heuristic):
-            impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp or heuristic, q, k)))
+    for name, bp in {"split": split, "fused": FUSED}.items():
+        if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
+            impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
             if serial_scores:  # P^T in 16 bits before dP^T's product is issued
-                impls[f"mosaic + {name}, serial scores"] = direct(
-                    bp or heuristic, serial_scores=True
-                )
-    if one_tile_per_cta and _pallas_mosaic_bwd.supports(case.dim, heuristic):
-        # (dK/dV, dQ) grids of the backward behind the persistent forward; the old grids.
+                impls[f"mosaic + {name}, serial scores"] = direct(bp, serial_scores=True)
+            if other_order:
+                impls[f"mosaic + {name}, {order(other_bwd)}"] = direct(bp, along_sequence=other_bwd)
+    if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
+        # (dK/dV, dQ) grids of the split backward behind the persistent forward; the old grids.
         for dkdv, dq in ((True, True), (False, True), (False, False)):
             name = f"persistent fwd, dK/dV {'pers.' if dkdv else 'tiles'}, dQ {'pers.' if dq else 'tiles'}"
-            impls[name] = direct(heuristic, True, (dkdv, dq))
-        impls["one tile per CTA everywhere"] = direct(heuristic, False, (False, False))
+            impls[name] = direct(split, True, (dkdv, dq))
+        impls["one tile per CTA everywhere"] = direct(split, False, (False, False))
     return impls
 
 
@@ -155,6 +181,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             forward_blocks(args.fwd_blocks),
             args.one_tile_per_cta,
             args.serial_scores,
+            args.tile_order,
         )
         arity = 4 if backward else 3
         want = impls["cudnn"](*sets[0][:arity])
@@ -189,12 +216,13 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
                   flush=True)  # fmt: skip
 
 
-def profile(cases: list[Case]) -> None:
+def profile(cases: list[Case], passes: Sequence[bool]) -> None:
     """Each kernel (cuDNN's and the Mosaic variants') twice after compiling, for a profiler
-    wrapped around this process."""
+    wrapped around this process; ``passes`` says which of forward (False) and forward+backward
+    (True) to run."""
     for case in cases:
         args = inputs(case, 0)
-        for backward in (False, True):
+        for backward in passes:
             for fn in implementations(case, backward).values():
                 for _ in range(2):
                     jax.block_until_ready(fn(*args[: 4 if backward else 3]))
@@ -219,6 +247,11 @@ def main() -> int:
         action="store_true",
         help="also each backward with P^T formed before dP^T's product is issued",
     )
+    parser.add_argument(
+        "--tile-order",
+        action="store_true",
+        help="also the kernels with the tile order they do not take by default for the mask",
+    )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
     parser.add_argument("--cpu-smoke", action="store_true")
@@ -230,7 +263,7 @@ def main() -> int:
         for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     ]
     if args.profile:
-        profile(cases)
+        profile(cases, (False, True) if args.backward == "yes" else (False,))
         return 0
     rows: list[dict[str, Any]] = []
     t0 = time.time()

@@ -20,6 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
 from ejkfn.attention._backend import AttentionShape, backend_for
+from ejkfn.attention._mosaic_grid import split_index
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -489,6 +490,58 @@ def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
             np.testing.assert_array_equal(a, b, err_msg=name_)
 
 
+def test_mosaic_tile_orders_cover_every_tile_once():
+    """Both orders number every (batch, head, rank) exactly once; along the sequence a head's
+    ranks are consecutive (CTAs at work together share its keys and values), heads fastest a
+    round's tiles share a rank (equal causal work)."""
+    batch, heads, ranks = 2, 3, 4
+    index = jnp.arange(batch * heads * ranks, dtype=jnp.int32)
+    for along_sequence in (True, False):
+        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, along_sequence))
+        triples = set(zip(b.tolist(), h.tolist(), r.tolist(), strict=True))
+        assert len(triples) == batch * heads * ranks
+        assert b.max() == batch - 1 and h.max() == heads - 1 and r.max() == ranks - 1
+        if along_sequence:
+            assert (r == np.tile(np.arange(ranks), batch * heads)).all()
+            assert (b * heads + h == np.arange(batch * heads).repeat(ranks)).all()
+        else:
+            assert (r == np.arange(ranks).repeat(batch * heads)).all()
+
+
+def test_mosaic_tile_order_rule():
+    """The forward goes along the sequence; the backward too, except causal below 16k keys."""
+    assert _pallas_mosaic.FWD_ALONG_SEQUENCE
+    rule = _pallas_mosaic_bwd._along_sequence
+    assert rule(False, 2048, 2048) and rule(True, 16384, 16384) and rule(True, 128, 65536)
+    assert not rule(True, 8192, 8192)
+
+
+@pytest.mark.parametrize(
+    "name, bwd_name", [("causal_gqa_ragged_d64", None), ("gqa_ragged", "fused")]
+)
+def test_mosaic_tile_orders_give_the_same_results(name, bwd_name):
+    """On the persistent grid (several tiles a CTA), the order of the tiles changes nothing but
+    the fused dQ's order of float32 sums."""
+    case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
+    x = _inputs(case, 4)
+    results = []
+    for along_sequence in (True, False):
+        out, lse = _pallas_mosaic._forward(
+            x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True,
+            along_sequence=along_sequence,
+        )  # fmt: skip
+        grads = _pallas_mosaic_bwd.bwd(
+            x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp,
+            interpret=True, persistent=(True, True), along_sequence=along_sequence,
+        )  # fmt: skip
+        results.append([np.asarray(a, np.float32) for a in (out, lse, *grads)])
+    for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
+        if bwd_name and name_ == "dq":
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name_)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name_)
+
+
 def test_mosaic_register_splits_fit_what_setmaxnreg_can_move():
     """setmaxnreg only moves registers between a CTA's warpgroups, which start with the register
     file shared out evenly (168 a thread for three warpgroups, 256 for two): asking for more than
@@ -514,7 +567,11 @@ def test_mosaic_backward_choice():
 
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
-        assert bp.variant == "mosaic"  # the fused one measured slower on an H200
+        assert bp.variant == "mosaic"  # the fused one measured slower causal on an H200
+        full = dataclasses.replace(shape(d), spec=AttentionSpec(scale=0.1))
+        fused_heuristic = _pallas_mosaic.heuristic(full)[1]
+        assert fused_heuristic.variant == ("mosaic_fused" if d > 64 else "mosaic")
+        assert _pallas_mosaic_bwd.supports(d, fused_heuristic)
         cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
         fused = {"mosaic_fused"} if d > 64 else set()  # its one head dim: 128 after padding
         assert {bp.variant for bp in cands} == {"mosaic", None} | fused

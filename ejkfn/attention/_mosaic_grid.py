@@ -58,17 +58,36 @@ class Rounds:
 
 
 def query_tile(
-    index: Any, heads: int, batch: int, q_tiles: int, rows: int, causal: bool
+    index: Any,
+    heads: int,
+    batch: int,
+    q_tiles: int,
+    rows: int,
+    causal: bool,
+    along_sequence: bool,
 ) -> tuple[Any, Any, Any]:
-    """(batch, head, first query row) of work item ``index`` over tiles of ``rows`` query rows;
-    causal: the last rows (which see the most keys) first, so the light tiles fill the tail."""
-    b, h, rank = split_index(index, heads, batch)
+    """(batch, head, first query row) of work item ``index`` over tiles of ``rows`` query rows
+    (numbered as :func:`split_index` says); causal: the last rows (which see the most keys) first,
+    so the light tiles fill the tail."""
+    b, h, rank = split_index(index, heads, batch, q_tiles, along_sequence)
     return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
-def split_index(index: Any, heads: int, batch: int) -> tuple[Any, Any, Any]:
-    """(batch, head, rank) of a work item numbered with heads fastest, then batch, then rank (the
-    tile along the sequence): CTAs running at once share a head's keys and values."""
+def split_index(
+    index: Any, heads: int, batch: int, ranks: int, along_sequence: bool
+) -> tuple[Any, Any, Any]:
+    """(batch, head, rank) of a work item, ``rank`` being its tile along the sequence (of
+    ``ranks``).
+
+    ``along_sequence``: rank fastest, then head, then batch. The CTAs running at once then work on
+    one or two heads and read the same keys and values, which L2 serves once; the order for tiles of
+    equal work. Else heads fastest, then batch, then rank: a round's tiles sit at about the same
+    rank, which evens out causal tiles' unequal work, but each head's keys and values are shared
+    by only the few CTAs at its ranks.
+    """
+    if along_sequence:
+        rest, rank = lax.div(index, ranks), lax.rem(index, ranks)
+        return lax.div(rest, heads), lax.rem(rest, heads), rank
     rank, rest = lax.div(index, heads * batch), lax.rem(index, heads * batch)
     return lax.div(rest, heads), lax.rem(rest, heads), rank
 

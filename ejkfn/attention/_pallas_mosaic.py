@@ -1,8 +1,9 @@
 """Flash attention forward in Pallas Mosaic GPU for Hopper (variant ``"mosaic"``).
 
 CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows,
-batch), causal tiles last rows first (they see the most keys). Each CTA runs three warpgroups: two
-compute warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup streams K and V
+batch), a head's tiles one after another (CTAs at work together share its keys and values in L2),
+causal tiles last rows first (they see the most keys). Each CTA runs three warpgroups: two compute
+warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup streams K and V
 blocks with TMA into a ring of shared memory slots (``num_stages`` deep), running on into the next
 tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
 as soon as the last product has read the current one, and stage O in a buffer of its own where
@@ -24,10 +25,10 @@ the kernel (pipeline, barriers, masking, bounds) being the code that runs on the
 Three backward passes take the natural-log ``lse`` this forward writes, chosen by
 ``BwdParams.variant``: ``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
 (FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ
-into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128; slower on an H200, a
-tuner candidate); or ``None``, the Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2
-without atomics, every head dim). The heuristic takes ``"mosaic"`` where it can; the tuner tries all
-three.
+into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128); or ``None``, the
+Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim).
+The heuristic takes ``"mosaic_fused"`` where it fits and nothing is masked (faster there on an
+H200), else ``"mosaic"`` where it can; the tuner tries all three.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -50,7 +51,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._mosaic_grid import HOPPER_SMEM_BYTES, Rounds, feed_ring, query_tile, resident_ctas
+from ._mosaic_grid import (
+    HOPPER_SMEM_BYTES,
+    Rounds,
+    feed_ring,
+    query_tile,
+    resident_ctas,
+)
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
@@ -68,6 +75,10 @@ _UNSUPPORTED = frozenset(
 # Shared memory for our buffers: Mosaic's barriers and alignment took a further 2.6 KB of the 227 KB
 # on an H200 (the 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes in all).
 _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
+# Tiles along the sequence (_mosaic_grid.split_index), causal too: against heads fastest, 1.01-1.18x
+# at 10 of 12 shapes on an H200 and 0.96-0.98x at two, within that run's noise; 1.12-1.18x at
+# 1x65536 (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
+FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 
 
@@ -118,6 +129,7 @@ class _Geom:
     batch: int
     resident: int  # CTAs the persistent grid may launch
     persistent: bool
+    along_sequence: bool  # tile order (see _mosaic_grid.split_index)
     fused_pv: bool = True
     pingpong: bool = True
 
@@ -149,7 +161,9 @@ class _Geom:
     def tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, head, first query row) of ``cta``'s ``t``-th tile."""
         index = self.rounds.index(cta, t)
-        return query_tile(index, self.heads, self.batch, self.q_tiles, CTA_ROWS, self.causal)
+        return query_tile(
+            index, self.heads, self.batch, self.q_tiles, CTA_ROWS, self.causal, self.along_sequence
+        )
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
@@ -377,6 +391,7 @@ def _forward(
     interpret: bool | None,
     pingpong: bool = True,
     persistent: bool = True,
+    along_sequence: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -400,6 +415,7 @@ def _forward(
         batch=batch,
         resident=resident_ctas(_interpreting(interpret)),
         persistent=persistent,
+        along_sequence=FWD_ALONG_SEQUENCE if along_sequence is None else along_sequence,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
     )
@@ -513,18 +529,41 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
-    backward where it takes the head dim (up to 128), else the Triton-lowering one.
+    backward where it takes the head dim (up to 128), fused where it fits and nothing is masked,
+    else the Triton-lowering one.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
     dim 64, 256-key blocks ran 1.12x (128, 3) not causal and the same causal at 8x2048x32x64
     (results/mosaic_variants_NVIDIA_H200_20261121-134541.json); 192-key blocks spilled registers
-    and lost at every shape.
+    and lost at every shape. At D=128 the fused backward ran forward+backward 1.01-1.06x the split
+    one not causal and 0.94-1.04x causal on an H200
+    (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
     """
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
-    return fp, _mosaic_bwd(shape) or _pallas_gpu.heuristic(shape)[1]
+    split = _mosaic_bwd(shape)
+    if split is None:
+        return fp, _pallas_gpu.heuristic(shape)[1]
+    fused = _fused_bwd(split)
+    if not shape.spec.causal and _fused_fits(shape, fused):
+        return fp, fused
+    return fp, split
+
+
+def _fused_bwd(split: BwdParams) -> BwdParams:
+    """The fused backward's one block shape: 64 query by 128 key rows, two stages."""
+    return dataclasses.replace(
+        split, q_blocksize=64, kv_blocksize=128, num_stages=2,
+        variant=_pallas_mosaic_bwd.FUSED_VARIANT,
+    )  # fmt: skip
+
+
+def _fused_fits(shape: AttentionShape, fused: BwdParams) -> bool:
+    """Whether the fused backward takes the shape (a whole 128-key block, head dims 65-128)."""
+    seq_k = max(64, -(-shape.seq_k // 64) * 64)
+    return 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused)
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
@@ -553,11 +592,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
                 if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
                     bwds.append(bp)
-        fused = dataclasses.replace(
-            base, q_blocksize=64, kv_blocksize=128, num_stages=2,
-            variant=_pallas_mosaic_bwd.FUSED_VARIANT,
-        )  # fmt: skip
-        if 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused):
+        fused = _fused_bwd(base)
+        if _fused_fits(shape, fused):
             bwds.append(fused)
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:

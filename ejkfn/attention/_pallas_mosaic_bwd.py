@@ -24,7 +24,12 @@ issues dV += P^T dO, dK += dS^T Q and its own 64-column half of the block's dQ =
 keys) together, and adds that float32 half into a dQ accumulator in global memory with a TMA
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
-it measured slower than the split (see benchmarks/NOTES.md), so it is a tuner candidate only.
+it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal (see
+benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked.
+
+Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
+work together read the same stream from L2) except causal below 16k keys, where heads fastest evens
+out the tiles' unequal work (:func:`._mosaic_grid.split_index`).
 
 Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal
 (the fused kernel masks instead of skipping: every block's dQ needs both warpgroups' dS).
@@ -185,6 +190,7 @@ class _Geom:
     batch: int
     resident: int  # CTAs a persistent grid may launch
     persistent: tuple[bool, bool]  # whether the dK/dV and the dQ kernel run on a persistent grid
+    along_sequence: bool  # tile order of both kernels (see _mosaic_grid.split_index)
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
@@ -233,14 +239,18 @@ class _Geom:
     def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
         first keys (which causal queries see most) first."""
-        b, kvh, rank = split_index(self.dkdv_rounds.index(cta, t), self.kv_heads, self.batch)
+        index = self.dkdv_rounds.index(cta, t)
+        ranks = self.skp // self.key_rows
+        b, kvh, rank = split_index(index, self.kv_heads, self.batch, ranks, self.along_sequence)
         return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, head, first query row) of the dQ kernel's ``t``-th tile in ``cta``."""
         index = self.dq_rounds.index(cta, t)
         rows = Q_TILE_WGS * WG_ROWS
-        return query_tile(index, self.heads, self.batch, self.q_tiles, rows, self.causal)
+        return query_tile(
+            index, self.heads, self.batch, self.q_tiles, rows, self.causal, self.along_sequence
+        )
 
     # dK/dV: which query blocks the keys from ``key`` on see.
 
@@ -673,6 +683,17 @@ def _dq_kernel(
         feed_ring(slots, my_tiles, items, fetch, (consumed,))
 
 
+LONG_CAUSAL = 16384  # causal sequences from here on take tiles along the sequence
+
+
+def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> bool:
+    """The kernels' default tile order (:func:`._mosaic_grid.split_index`). Measured on an H200
+    against heads fastest (results/mosaic_variants_NVIDIA_H200_20261121-174012.json): not causal,
+    1.00-1.16x forward+backward; causal, 1.05-1.06x from 16k keys up and 0.94-1.00x at 4k-8k (head
+    dim 128), where heads fastest evens out the tiles' unequal work."""
+    return not causal or max(seq_q, seq_k) >= LONG_CAUSAL
+
+
 def _geom(
     q: Any,
     k: Any,
@@ -681,6 +702,7 @@ def _geom(
     interpret: bool,
     persistent: tuple[bool, bool] | None,
     serial_scores: bool = False,
+    along_sequence: bool | None = None,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
@@ -734,6 +756,9 @@ def _geom(
         # kernel the same either way; the dQ kernel 1.03-1.05x persistent at head dim 64 and not
         # causal at 128, 0.95-0.97x causal at 128.
         persistent=(False, not (spec.causal and dpad > 64)) if persistent is None else persistent,
+        along_sequence=_along_sequence(spec.causal, seq_q, seq_k)
+        if along_sequence is None
+        else along_sequence,
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
@@ -754,6 +779,7 @@ def bwd(
     interpret: bool,
     persistent: tuple[bool, bool] | None = None,
     serial_scores: bool = False,
+    along_sequence: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -765,13 +791,14 @@ def bwd(
     ``params.q_blocksize`` (64 or 128) the query block the dK/dV kernel streams (fused: at most 64 at
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
     short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
-    dQ) overrides which kernels run on the persistent grid. ``serial_scores`` (an experiment) makes
+    dQ) overrides which kernels run on the persistent grid, ``along_sequence`` their tile order
+    (:func:`._mosaic_grid.split_index`). ``serial_scores`` (an experiment) makes
     the dK/dV kernel form P^T in 16 bits before it issues dP^T's product. The caller checks dtypes
     and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, persistent, serial_scores)
+    g = _geom(q, k, spec, params, interpret, persistent, serial_scores, along_sequence)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
