@@ -75,7 +75,6 @@ def implementations(
     backward: bool,
     fwds: Sequence[FwdParams] = (),
     one_tile_per_cta: bool = False,
-    serial_scores: bool = False,
     other_order: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
@@ -127,7 +126,6 @@ def implementations(
         bp: BwdParams,
         fwd_persistent: bool = True,
         bwd_persistent: tuple[bool, bool] | None = None,
-        serial_scores: bool = False,
         along_sequence: bool | None = None,
     ):
         """The Mosaic forward and backward called directly, with the kernels' private options."""
@@ -145,7 +143,7 @@ def implementations(
             )
             grads = _pallas_mosaic_bwd.bwd(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
-                persistent=bwd_persistent, serial_scores=serial_scores,
+                persistent=bwd_persistent,
                 along_sequence=along_sequence,
             )  # fmt: skip
             return out, *grads
@@ -156,8 +154,6 @@ def implementations(
     for name, bp in {"split": split, "fused": FUSED}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
-            if serial_scores:  # P^T in 16 bits before dP^T's product is issued
-                impls[f"mosaic + {name}, serial scores"] = direct(bp, serial_scores=True)
             if other_order:
                 impls[f"mosaic + {name}, {order(other_bwd)}"] = direct(bp, along_sequence=other_bwd)
     if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
@@ -180,7 +176,6 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             backward,
             forward_blocks(args.fwd_blocks),
             args.one_tile_per_cta,
-            args.serial_scores,
             args.tile_order,
         )
         arity = 4 if backward else 3
@@ -243,14 +238,9 @@ def main() -> int:
         "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
     )
     parser.add_argument(
-        "--serial-scores",
-        action="store_true",
-        help="also each backward with P^T formed before dP^T's product is issued",
-    )
-    parser.add_argument(
         "--tile-order",
         action="store_true",
-        help="also the kernels with the tile order they do not take by default for the mask",
+        help="also the kernels with the tile order they do not take by default for the shape",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

@@ -645,33 +645,6 @@ def test_mosaic_backward_candidates_lower_for_cuda():
     assert _pallas_mosaic_bwd.MAX_HEAD_DIM == 128
 
 
-@pytest.mark.parametrize(
-    "name, cases", [("causal_gqa_ragged_d64", "split"), ("causal_gqa_ragged", "fused")]
-)
-def test_mosaic_backward_with_serial_scores(name, cases):
-    """The dK/dV kernel's experiment that forms P^T in 16 bits before it issues dP^T's product:
-    the gradients of the default order (within the rounding of P^T before dS^T), in the interpreter,
-    and it lowers for a Hopper GPU."""
-    case, bp = (MOSAIC_FUSED_CASES if cases == "fused" else MOSAIC_BWD_CASES)[name]
-    x = _inputs(case, 4)
-    out, lse = _pallas_mosaic._forward(
-        x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True
-    )
-
-    def grads(serial, interpret=True):
-        return _pallas_mosaic_bwd.bwd(
-            x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp,
-            interpret=interpret, serial_scores=serial,
-        )  # fmt: skip
-
-    for got, want in zip(grads(True), grads(False), strict=True):
-        assert _err(got, want) < TOL[case.dtype]
-    mesh = AbstractMesh((1,), ("x",), abstract_device=H100)
-    with use_abstract_mesh(mesh):
-        lowered = jax.jit(lambda: grads(True, interpret=False)).trace()
-        assert "mosaic_gpu" in lowered.lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_mosaic_fused_backward_lowers_for_cuda(name):
     """Every fused backward the tuner may try lowers for a Hopper GPU to one kernel whose dQ goes out

@@ -194,9 +194,6 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
-    # The dK/dV kernel issues dP^T only after P^T is formed (fewer registers live, no overlap of
-    # the two score products). An experiment for the fused kernel's spills, not yet measured.
-    serial_scores: bool = False
 
     @property
     def offset(self) -> int:
@@ -332,21 +329,11 @@ def _accumulate(
     return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
 
 
-def _p(s: Any, lse: Any, axis: int) -> Any:
-    """P = 2^(S - lse) of a tile of scaled (base-2) scores, with ``lse``, a vector over the query
-    rows, broadcast along the tile's ``axis`` of them."""
-    return jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
-
-
-def _ds(p: Any, dp: Any, delta: Any, axis: int) -> Any:
-    """dS = P (dP - delta), ``delta`` broadcast as ``lse`` is in :func:`_p`."""
-    return p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
-
-
 def _p_and_ds(s: Any, dp: Any, lse: Any, delta: Any, axis: int) -> tuple[Any, Any]:
-    """:func:`_p` and :func:`_ds` of one tile."""
-    p = _p(s, lse, axis)
-    return p, _ds(p, dp, delta, axis)
+    """P = 2^(S - lse) of a tile of scaled (base-2) scores and dS = P (dP - delta), with ``lse``
+    and ``delta``, vectors over the query rows, broadcast along the tile's ``axis`` of them."""
+    p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
+    return p, p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
 
 
 def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
@@ -421,16 +408,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     plgpu.barrier_wait(ready_.at[slot])
                     return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
-                if g.serial_scores:
-                    # P^T is 16-bit before dP^T's product is issued: its float32 accumulator
-                    # never lives beside S^T's (16 registers a thread fewer at the peak), at the
-                    # cost of the two products' overlap and of rounding P^T before dS^T.
-                    (s_t,) = _products(shape, (k_own, q_blk.transpose((1, 0))))
-                    s_t = scaled(s_t)
-                    p_t = _p(s_t, row_vector(lse_ring, lse_ready), axis=1).astype(dtype)
-                    (dp_t,) = _products(shape, (v_own, do_blk.transpose((1, 0))))
-                    delta = row_vector(delta_ring, delta_ready)
-                    return p_t, _ds(p_t.astype(jnp.float32), dp_t, delta, axis=1).astype(dtype)
                 s_t, dp_t = _products(
                     shape, (k_own, q_blk.transpose((1, 0))), (v_own, do_blk.transpose((1, 0)))
                 )
@@ -701,7 +678,6 @@ def _geom(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None,
-    serial_scores: bool = False,
     along_sequence: bool | None = None,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
@@ -762,7 +738,6 @@ def _geom(
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
-        serial_scores=serial_scores,
     )
 
 
@@ -778,7 +753,6 @@ def bwd(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None = None,
-    serial_scores: bool = False,
     along_sequence: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
@@ -792,13 +766,12 @@ def bwd(
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
     short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
     dQ) overrides which kernels run on the persistent grid, ``along_sequence`` their tile order
-    (:func:`._mosaic_grid.split_index`). ``serial_scores`` (an experiment) makes
-    the dK/dV kernel form P^T in 16 bits before it issues dP^T's product. The caller checks dtypes
-    and features (as for the forward).
+    (:func:`._mosaic_grid.split_index`). The caller checks dtypes and features (as for the
+    forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, persistent, serial_scores, along_sequence)
+    g = _geom(q, k, spec, params, interpret, persistent, along_sequence)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
