@@ -459,6 +459,29 @@ def test_mosaic_fused_backward_in_gpu_interpreter(name):
     _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
 
 
+def _mosaic_fwd_bwd(
+    case: Case, bp: BwdParams, x: dict, persistent: bool = True, along_sequence: bool | None = None
+) -> list[np.ndarray]:
+    """out, lse, dq, dk and dv of the Mosaic kernels in the interpreter, with their grid options."""
+    out, lse = _pallas_mosaic._forward(
+        x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True,
+        persistent=persistent, along_sequence=along_sequence,
+    )  # fmt: skip
+    grads = _pallas_mosaic_bwd.bwd(
+        x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp, interpret=True,
+        persistent=(persistent, persistent), along_sequence=along_sequence,
+    )  # fmt: skip
+    return [np.asarray(a, np.float32) for a in (out, lse, *grads)]
+
+
+def _assert_same_results(got: list, want: list, fused: bool) -> None:
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        if fused and name == "dq":  # the fused dQ adds tiles in another order
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name)
+        else:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "name, bwd_name",
     [("causal_gqa_ragged_d64", None), ("causal_gqa_ragged", "fused")],
@@ -468,26 +491,13 @@ def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
     ways, rings and barrier phases carried from tile to tile) give what one CTA per tile gives."""
     case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
     x = _inputs(case, 3)
-    results = []
-    for persistent in (True, False):
-        out, lse = _pallas_mosaic._forward(
-            x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True,
-            persistent=persistent,
-        )  # fmt: skip
-        grads = _pallas_mosaic_bwd.bwd(
-            x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp,
-            interpret=True, persistent=(persistent, persistent),
-        )  # fmt: skip
-        results.append([np.asarray(a, np.float32) for a in (out, lse, *grads)])
     assert (
         _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).dq_rounds.tiles > 3
     )  # several tiles per CTA
-    persistent, one_tile = results
-    for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), persistent, one_tile, strict=True):
-        if bwd_name and name_ == "dq":  # the fused dQ adds tiles in another order
-            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name_)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name_)
+    persistent, one_tile = (
+        _mosaic_fwd_bwd(case, bp, x, persistent) for persistent in (True, False)
+    )
+    _assert_same_results(persistent, one_tile, fused=bwd_name == "fused")
 
 
 def test_mosaic_tile_orders_cover_every_tile_once():
@@ -514,6 +524,13 @@ def test_mosaic_tile_order_rule():
     rule = _pallas_mosaic_bwd._along_sequence
     assert rule(False, 2048, 2048) and rule(True, 16384, 16384) and rule(True, 128, 65536)
     assert not rule(True, 8192, 8192)
+    for name, want in (("causal_gqa_ragged_d64", False), ("gqa_d128_q128_ragged", True)):
+        case, bp = MOSAIC_BWD_CASES[name]
+        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        assert (
+            _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).along_sequence
+            is want
+        )
 
 
 @pytest.mark.parametrize(
@@ -524,22 +541,11 @@ def test_mosaic_tile_orders_give_the_same_results(name, bwd_name):
     the fused dQ's order of float32 sums."""
     case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
     x = _inputs(case, 4)
-    results = []
-    for along_sequence in (True, False):
-        out, lse = _pallas_mosaic._forward(
-            x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True,
-            along_sequence=along_sequence,
-        )  # fmt: skip
-        grads = _pallas_mosaic_bwd.bwd(
-            x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp,
-            interpret=True, persistent=(True, True), along_sequence=along_sequence,
-        )  # fmt: skip
-        results.append([np.asarray(a, np.float32) for a in (out, lse, *grads)])
-    for name_, a, b in zip(("out", "lse", "dq", "dk", "dv"), *results, strict=True):
-        if bwd_name and name_ == "dq":
-            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name_)
-        else:
-            np.testing.assert_array_equal(a, b, err_msg=name_)
+    along, heads_fastest = (
+        _mosaic_fwd_bwd(case, bp, x, along_sequence=along_sequence)
+        for along_sequence in (True, False)
+    )
+    _assert_same_results(along, heads_fastest, fused=bwd_name == "fused")
 
 
 def test_mosaic_register_splits_fit_what_setmaxnreg_can_move():
