@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import os
 import random
 import statistics
@@ -73,6 +74,9 @@ def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) ->
     return seconds
 
 
+MAX_BATCH_CALLS = 10_000  # the most calls ``min_batch_seconds`` adds to one timed batch
+
+
 def interleaved_seconds[K](
     fns: Mapping[K, Callable[[], Any]],
     *,
@@ -82,6 +86,7 @@ def interleaved_seconds[K](
     settle: int = 1,
     bound: float | None = None,
     seed: int = 0,
+    min_batch_seconds: float = 0.0,
 ) -> dict[K, list[float] | Exception]:
     """Seconds per call of each of ``fns``, one reading a round, or the exception it raised.
 
@@ -91,7 +96,11 @@ def interleaved_seconds[K](
     once, and reads the time per call. Drifts of the machine's speed then fall on all alike, and
     none is timed in the wake of a lighter one: a GPU's clock follows the power drawn, so a kernel
     timed right after a light one reads fast. A function that raises, or whose call takes more than
-    ``bound`` seconds, drops out with that exception.
+    ``bound`` seconds, drops out with that exception. Where a function's share of a round would
+    last less than ``min_batch_seconds`` (judged by its fastest warm-up call; none without
+    warm-up), its turns run that many seconds' worth of calls instead (at most
+    ``MAX_BATCH_CALLS``): a few sub-millisecond calls read launch latency and clock transients
+    more than the kernel.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones(64)
@@ -99,21 +108,24 @@ def interleaved_seconds[K](
     >>> {name: len(readings) for name, readings in times.items()}
     {'sin': 3, 'cos': 3}
     """
-    if warmup < 0 or settle < 0 or calls < 1 or rounds < 1:
+    if warmup < 0 or settle < 0 or calls < 1 or rounds < 1 or not min_batch_seconds >= 0:
         raise ValueError(
-            f"need warmup >= 0, settle >= 0, calls >= 1 and rounds >= 1; got {warmup=}, "
-            f"{settle=}, {calls=}, {rounds=}"
+            f"need warmup >= 0, settle >= 0, calls >= 1, rounds >= 1 and min_batch_seconds >= 0; "
+            f"got {warmup=}, {settle=}, {calls=}, {rounds=}, {min_batch_seconds=}"
         )
     rounds = min(rounds, calls)
     readings: dict[K, list[float]] = {}
     failed: dict[K, Exception] = {}
+    least_calls: dict[K, int] = {}
     for key, fn in fns.items():
         try:
-            for _ in range(warmup):
-                _seconds_per_call(fn, 1, bound)
+            fastest = min((_seconds_per_call(fn, 1, bound) for _ in range(warmup)), default=0.0)
             readings[key] = []
         except Exception as exc:  # this one drops out; the others are still timed
             failed[key] = exc
+            continue
+        wanted = math.ceil(min_batch_seconds / fastest) if fastest > 0 else 1
+        least_calls[key] = min(max(wanted, 1), MAX_BATCH_CALLS)
     running = list(readings)
     order = random.Random(seed)
     for r in range(rounds):
@@ -123,7 +135,8 @@ def interleaved_seconds[K](
             try:
                 for _ in range(settle):
                     _block(fns[key]())
-                readings[key].append(_seconds_per_call(fns[key], share, bound))
+                batch = max(share, least_calls[key])
+                readings[key].append(_seconds_per_call(fns[key], batch, bound))
             except Exception as exc:
                 failed[key] = exc
                 running.remove(key)
@@ -187,6 +200,8 @@ class Tuner:
         warmup: untimed calls of each candidate before the rounds.
         iters: timed calls of each candidate, split over the rounds and run back to back there.
         rounds: interleaved rounds (at most ``iters``).
+        min_batch_seconds: a candidate's timed batch runs at least this long (more calls than its
+            share of ``iters`` where its calls are short; needs ``warmup >= 1``).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
         compile_threads: threads compiling candidates ahead of timing (``None``: up to the CPU count).
         progress: show a progress bar; ``None`` shows one only on tunes that take more than 2 s.
@@ -199,6 +214,7 @@ class Tuner:
     warmup: int = 2
     iters: int = 10
     rounds: int = 3
+    min_batch_seconds: float = 0.01
     max_seconds_per_call: float | None = None
     compile_threads: int | None = None
     progress: bool | None = None
@@ -211,6 +227,8 @@ class Tuner:
             raise ValueError(f"iters must be >= 1; got {self.iters=}")
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1; got {self.rounds=}")
+        if not self.min_batch_seconds >= 0:
+            raise ValueError(f"min_batch_seconds must be >= 0; got {self.min_batch_seconds=}")
 
     def timings[K](self, fns: Mapping[K, Callable[[], Any]]) -> dict[K, float | Exception]:
         """Median seconds per call of each of ``fns`` over the interleaved rounds, or the exception
@@ -222,6 +240,7 @@ class Tuner:
             rounds=self.rounds,
             bound=self.max_seconds_per_call,
             seed=self.seed,
+            min_batch_seconds=self.min_batch_seconds,
         )
         return {
             key: r if isinstance(r, Exception) else statistics.median(r)

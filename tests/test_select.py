@@ -536,6 +536,33 @@ def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
     assert len({tuple(order) for order in round_orders}) > 1  # not one fixed order
 
 
+def test_interleaved_seconds_lengthens_short_batches():
+    """A function whose share of a round would last under ``min_batch_seconds`` runs that long
+    instead (judged by its warm-up); without the minimum, or without warm-up, it runs its share."""
+    import time
+
+    def batches(**kw):
+        log: list[int] = []
+
+        def sleepy():
+            log.append(1)
+            time.sleep(0.005)
+            return jnp.zeros(())
+
+        times = ejkfn.interleaved_seconds({"f": sleepy}, calls=3, rounds=3, settle=0, **kw)
+        assert len(times["f"]) == 3 and all(t >= 0.005 for t in times["f"])
+        return len(log) - kw.get("warmup", 2)
+
+    assert batches() == 3  # a share of one call a round
+    assert batches(warmup=0, min_batch_seconds=0.05) == 3
+    lengthened = batches(warmup=1, min_batch_seconds=0.05)
+    assert lengthened % 3 == 0 and 4 <= lengthened // 3 <= 10  # 0.05 s of 5 ms calls
+    with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
+        ejkfn.interleaved_seconds({"f": lambda: None}, min_batch_seconds=-1.0)
+    with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
+        ejkfn.Tuner(min_batch_seconds=-1.0)
+
+
 def test_interleaved_seconds_drops_what_fails_and_times_the_rest():
     calls = {"n": 0}
 
