@@ -156,6 +156,11 @@ def implementations(
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
             if other_order:
                 impls[f"mosaic + {name}, {order(other_bwd)}"] = direct(bp, along_sequence=other_bwd)
+    if other_order and other_bwd and split and _pallas_mosaic_bwd.supports(case.dim, split):
+        # Causal tiles along the sequence with the dK/dV kernel on the persistent grid, whose rounds
+        # alternate direction (as the forward's do) to even out the tiles' unequal work.
+        name = "mosaic + split, tiles along the sequence, dK/dV persistent"
+        impls[name] = direct(split, bwd_persistent=(True, case.dim <= 64), along_sequence=True)
     if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
         # (dK/dV, dQ) grids of the split backward behind the persistent forward; the old grids.
         for dkdv, dq in ((True, True), (False, True), (False, False)):

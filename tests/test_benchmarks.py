@@ -57,6 +57,7 @@ def test_mosaic_variants_backward_smoke(tmp_path):
     for name in ("split", "fused"):
         for impl in (f"mosaic + {name}", f"mosaic + {name}, tiles along the sequence"):
             wanted.append(("fwd+bwd", impl))
+    wanted.append(("fwd+bwd", "mosaic + split, tiles along the sequence, dK/dV persistent"))
     for key in wanted:
         assert checked[key] < 2e-2, key
 
