@@ -55,7 +55,6 @@ from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
 SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x8"
-FUSED = BwdParams(q_blocksize=64, kv_blocksize=128, num_stages=2, variant="mosaic_fused")
 
 
 def forward_blocks(text: str) -> list[FwdParams]:
@@ -151,7 +150,8 @@ def implementations(
         return jax.jit(both)
 
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
-    for name, bp in {"split": split, "fused": FUSED}.items():
+    fused = split and _pallas_mosaic._fused_bwd(shape, split)
+    for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
             if other_order:

@@ -546,24 +546,19 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     split = _mosaic_bwd(shape)
     if split is None:
         return fp, _pallas_gpu.heuristic(shape)[1]
-    fused = _fused_bwd(split)
-    if not shape.spec.causal and _fused_fits(shape, fused):
-        return fp, fused
-    return fp, split
+    fused = _fused_bwd(shape, split)
+    return fp, fused if fused and not shape.spec.causal else split
 
 
-def _fused_bwd(split: BwdParams) -> BwdParams:
-    """The fused backward's one block shape: 64 query by 128 key rows, two stages."""
-    return dataclasses.replace(
+def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
+    """The fused backward's one block shape (64 query by 128 key rows, two stages), or None where
+    it cannot take the shape (head dims 65-128, a whole 128-key block)."""
+    fused = dataclasses.replace(
         split, q_blocksize=64, kv_blocksize=128, num_stages=2,
         variant=_pallas_mosaic_bwd.FUSED_VARIANT,
     )  # fmt: skip
-
-
-def _fused_fits(shape: AttentionShape, fused: BwdParams) -> bool:
-    """Whether the fused backward takes the shape (a whole 128-key block, head dims 65-128)."""
     seq_k = max(64, -(-shape.seq_k // 64) * 64)
-    return 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused)
+    return fused if 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused) else None
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
@@ -592,8 +587,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
                 if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
                     bwds.append(bp)
-        fused = _fused_bwd(base)
-        if _fused_fits(shape, fused):
+        fused = _fused_bwd(shape, base)
+        if fused:
             bwds.append(fused)
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:

@@ -222,9 +222,14 @@ class _Geom:
         return self.sqp // (Q_TILE_WGS * WG_ROWS)
 
     @property
+    def key_tiles(self) -> int:
+        """The dK/dV kernel's tiles along the keys of one kv head."""
+        return self.skp // self.key_rows
+
+    @property
     def dkdv_rounds(self) -> Rounds:
         """The dK/dV kernel's tiles (key rows of a kv head) over its CTAs."""
-        tiles = self.kv_heads * (self.skp // self.key_rows) * self.batch
+        tiles = self.kv_heads * self.key_tiles * self.batch
         return Rounds.of(tiles, self.resident, self.persistent[0])
 
     @property
@@ -237,8 +242,9 @@ class _Geom:
         """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
         first keys (which causal queries see most) first."""
         index = self.dkdv_rounds.index(cta, t)
-        ranks = self.skp // self.key_rows
-        b, kvh, rank = split_index(index, self.kv_heads, self.batch, ranks, self.along_sequence)
+        b, kvh, rank = split_index(
+            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence
+        )
         return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
@@ -712,6 +718,7 @@ def _geom(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
         )
+    order = _along_sequence(spec.causal, seq_q, seq_k) if along_sequence is None else along_sequence
     return _Geom(
         causal=spec.causal,
         scale=spec.scale,
@@ -732,9 +739,7 @@ def _geom(
         # kernel the same either way; the dQ kernel 1.03-1.05x persistent at head dim 64 and not
         # causal at 128, 0.95-0.97x causal at 128.
         persistent=(False, not (spec.causal and dpad > 64)) if persistent is None else persistent,
-        along_sequence=_along_sequence(spec.causal, seq_q, seq_k)
-        if along_sequence is None
-        else along_sequence,
+        along_sequence=order,
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
