@@ -724,17 +724,19 @@ def _fits(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Block sizes that work well on Hopper for the head dim, shrunk to fit short sequences.
 
-    Measured on an H200 (benchmarks/results/check_pallas_gpu_h200.json): at 2x4096x16x128 bf16 the
-    forward with (64, 64, 4 warps, 3 stages) ran at 201 (full) and 182 (causal) TFLOP/s against 182
-    and 101 for (128, 64, 8, 3); at 8x2048x32x64, (128, 128, 4, 3) ran at 203 against 173 for
-    (128, 64, 4, 3). The backward's (64, 64, 4, 2) beat every alternative tried.
+    Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
+    two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
+    (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
+    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. The backward's (64, 64, 4) beat every
+    alternative tried, with 2 stages at D = 128 and 3 at D = 64 (forward+backward 1.03x two
+    stages, 1.02x causal).
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
-        fp = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3)
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
-    elif d <= 128:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+    elif d <= 128:
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
         bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)

@@ -375,17 +375,16 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
-    # From sweeps on an H200 in bf16 (benchmarks/results/check_triton_gpu_h200.json): at
-    # 2 x 4096 x 16 x 128 the forward liked 128 x 64 with 8 warps, 4 stages (3 when causal), the
-    # backward 64 x 64 with 4 warps, 2 stages; at 8 x 2048 x 32 x 64 the forward liked 64 x 64.
+    # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
+    # the two before it): the forward with 64 x 64, 4 warps, 3 stages was the fastest at 5 of 6
+    # shapes (2x8192 and 4x4096 x16x128, 8x2048x32x64, causal and not), 1.02-1.10x the blocks before
+    # it, and 0.97x the fastest at 4x4096x16x128; the backward with 64 x 64, 4 warps, 2 stages at
+    # D = 128 and 3 stages at D = 64 (forward+backward 1.09x two stages, 1.08x causal).
     d = _block_d(shape.head_dim)
-    if d <= 64:
-        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=4)
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
-    elif d <= 128:
-        stages = 3 if shape.spec.causal else 4
-        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=stages)
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+    if d <= 128:
+        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        stages = 3 if d <= 64 else 2
+        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=stages)
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)

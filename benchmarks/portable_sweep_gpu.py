@@ -1,0 +1,199 @@
+"""Block configurations of the portable kernels (Triton, Pallas-Triton) against JAX's Pallas ``mha``.
+
+For each shape, every configuration below that fits is checked against ``mha`` (output and
+gradients, relative error) and then timed interleaved with it in one run (:func:`attention.interleaved_ms`):
+forward alone for the forward configurations, forward and backward for the backward ones (the
+backend's heuristic forward). Prints the ratios to ``mha`` and saves them under ``--out``.
+
+    python3 benchmarks/portable_sweep_gpu.py [--shapes 2x8192x16x128,...] [--masks causal]
+        [--passes fwd,bwd] [--backends triton,pallas] [--budget SECONDS] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from attention import Case, device_info, fwd_bwd, inputs, interleaved_ms, parse_shapes, rel_err
+
+import ejkfn
+from ejkfn._registry import BwdParams, FwdParams
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec
+from ejkfn.attention import _pallas_gpu as pallas_triton
+from ejkfn.attention import _triton as triton
+
+SHAPES = "2x8192x16x128,4x4096x16x128,8x2048x32x64"
+
+
+def _f(bq: int, bk: int, w: int, s: int) -> FwdParams:
+    return FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+
+
+def _b(bq: int, bk: int, w: int, s: int) -> BwdParams:
+    return BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+
+
+FWDS = [_f(64, 64, 4, 3), _f(128, 64, 8, 3), _f(128, 64, 8, 4), _f(128, 128, 8, 2)]
+FWDS += [_f(128, 128, 8, 3), _f(128, 64, 4, 3), _f(128, 128, 4, 3), _f(64, 64, 4, 4)]
+BWDS = [_b(64, 64, 4, 2), _b(64, 64, 4, 3), _b(64, 64, 8, 2), _b(32, 64, 4, 2), _b(32, 128, 4, 2)]
+BWDS += [_b(32, 128, 8, 2), _b(64, 128, 8, 2), _b(128, 64, 8, 2), _b(64, 128, 4, 2)]
+BACKENDS = {
+    "triton": (triton, FWDS, BWDS),
+    "pallas": (pallas_triton, FWDS, BWDS),
+}
+
+
+def fits(module: Any, shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
+    if module is triton:
+        return triton._fits(shape, fp, backward=False) and triton._fits(shape, bp, backward=True)
+    return pallas_triton._fits(shape, fp, bp)
+
+
+def mha(case: Case) -> Any:
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+    return lambda q, k, v: pallas_mha.mha(
+        q, k, v, segment_ids=None, causal=case.causal, sm_scale=case.dim**-0.5
+    )
+
+
+def configs(case: Case, name: str, backward: bool) -> dict[str, AttentionConfig]:
+    """label -> config of ``name``'s backend that fits ``case`` (its heuristic first)."""
+    module, fwds, bwds = BACKENDS[name]
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), "bfloat16")
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), "bfloat16")
+    shape = AttentionShape.of(q, k, spec)
+    heur_f, heur_b = module.heuristic(shape)
+    pairs = (
+        [(heur_f, b) for b in [heur_b, *bwds]]
+        if backward
+        else [(f, heur_b) for f in [heur_f, *fwds]]
+    )
+    platform, variant = ("triton", "triton") if module is triton else ("pallas", "triton")
+    out: dict[str, AttentionConfig] = {}
+    for fp, bp in pairs:
+        if not fits(module, shape, fp, bp):
+            continue
+        p = bp if backward else fp
+        label = f"{name} {p.q_blocksize}x{p.kv_blocksize} w{p.num_warps} s{p.num_stages}"
+        if (fp, bp) == (heur_f, heur_b):
+            label += " (heuristic)"
+        out.setdefault(label, AttentionConfig(platform=platform, variant=variant, fwd=fp, bwd=bp))
+    return out
+
+
+def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]], t0: float) -> None:
+    q, k, v, do = inputs(case, 0)
+    arg_sets = [(q, k, v, do), inputs(case, 1)]
+    for backward in [p == "bwd" for p in args.passes.split(",")]:
+        pass_ = "fwd+bwd" if backward else "fwd"
+        fns = {"mha": mha(case)}
+        for name in args.backends.split(","):
+            for label, cfg in configs(case, name, backward).items():
+                fns[label] = lambda q, k, v, cfg=cfg: ejkfn.flash_attention(
+                    q, k, v, causal=case.causal, cfg=cfg
+                )
+        jitted = {n: jax.jit(fwd_bwd(f) if backward else f) for n, f in fns.items()}
+        sets = [a if backward else a[:3] for a in arg_sets]
+        want = jitted["mha"](*sets[0])
+        want = want if backward else (want,)
+        timed: dict[str, Any] = {}
+        for name, fn in jitted.items():
+            if time.time() - t0 > args.budget:
+                print(f"budget spent: {case.name} {pass_} from {name} on not run")
+                break
+            try:
+                got = fn(*sets[0])
+                got = got if backward else (got,)
+                err = max(rel_err(g, w) for g, w in zip(got, want, strict=True))
+            except Exception as exc:  # a configuration that does not compile is reported
+                rows.append(dict(case=case.name, pass_=pass_, impl=name, error=repr(exc)[:300]))
+                print(f"{case.name} {pass_} {name}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if not err < 2e-2:
+                rows.append(dict(case=case.name, pass_=pass_, impl=name, rel_err=err))
+                print(
+                    f"{case.name} {pass_} {name}: relative error {err:.1e} against mha; not timed"
+                )
+                continue
+            for _ in range(2):
+                jax.block_until_ready(fn(*sets[1]))
+            timed[name] = (fn, err)
+        if "mha" not in timed:
+            continue
+        ms = interleaved_ms({n: f for n, (f, _) in timed.items()}, sets, args.calls, args.rounds)
+        flops = case.flops(backward)
+        base = float(np.median(ms["mha"]))
+        for name, (_, err) in timed.items():
+            med = float(np.median(ms[name]))
+            rows.append(
+                dict(
+                    case=case.name,
+                    pass_=pass_,
+                    impl=name,
+                    ms=med,
+                    tflops=flops / med / 1e9,
+                    vs_mha=base / med,
+                    spread=max(ms[name]) / min(ms[name]),
+                    rel_err_vs_mha=err,
+                )
+            )
+        print(f"{case.name} {pass_}: {len(timed)} timed ({time.time() - t0:.0f} s)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument(
+        "--passes", default="fwd,bwd", help="fwd, bwd (forward and backward) or both"
+    )
+    parser.add_argument("--backends", default="triton,pallas")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--budget", type=float, default=500.0, help="seconds; then stop checking")
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    for p in args.passes.split(","):
+        if p not in ("fwd", "bwd"):
+            parser.error(f"--passes: {p!r} is neither fwd nor bwd")
+    for b in args.backends.split(","):
+        if b not in BACKENDS:
+            parser.error(f"--backends: {b!r} is not one of {sorted(BACKENDS)}")
+    cases = [
+        Case(b, s, h, kvh, d, causal)
+        for b, s, h, kvh, d in parse_shapes(args.shapes)
+        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+    ]
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for case in cases:
+        run_case(case, args, rows, t0)
+    print(f"\n| case | pass | impl | TFLOP/s | vs mha | spread |\n|{'---|' * 6}")
+    for r in sorted(rows, key=lambda r: (r["case"], r["pass_"], -r.get("vs_mha", 0))):
+        if "ms" in r:
+            print(
+                f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['tflops']:.0f} |"
+                f" {r['vs_mha']:.2f} | {r['spread']:.3f} |"
+            )
+    print(f"({time.time() - t0:.0f} s)")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        kind = jax.devices()[0].device_kind.replace(" ", "_")
+        path = out / f"portable_sweep_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
+        print("saved", path.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
