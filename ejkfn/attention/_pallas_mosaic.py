@@ -512,7 +512,7 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 
     128 key rows per dK/dV CTA (two warpgroups) and query blocks of 64 rows at D = 128 (S^T and dP^T
     beside two 64 x 128 float32 accumulators fill a warpgroup's registers), 128 below; two stages.
-    Chosen for registers and shared memory, not yet measured on a GPU.
+    Chosen for registers and shared memory; the GPU runs since have kept it (benchmarks/NOTES.md).
     """
     d = _padded_head_dim(shape.head_dim)
     seq_q, seq_k = (max(64, -(-n // 64) * 64) for n in (shape.seq_q, shape.seq_k))
