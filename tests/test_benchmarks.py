@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from ._subprocess import ROOT, child_env
@@ -85,6 +86,32 @@ def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
     # a lead within the timing noise keeps the training config's own forward
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)]) is train
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)], margin=0.01).inference == mosaic
+
+
+def test_portable_sweep_times_fitting_configs_beside_the_heuristic():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import Case
+    from portable_sweep_gpu import BACKENDS, configs, fits
+
+    from ejkfn.attention import AttentionShape, AttentionSpec
+
+    for case in (Case(2, 8192, 16, 16, 128, True), Case(1, 64, 2, 2, 64, False)):
+        spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+        q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), "bfloat16")
+        shape = AttentionShape.of(q, q, spec)
+        for name, (module, _, _) in BACKENDS.items():
+            heur_f, heur_b = module.heuristic(shape)
+            for backward in (False, True):
+                cfgs = configs(case, name, backward)
+                labels = list(cfgs)
+                assert labels[0].endswith("(heuristic)") and labels[0].startswith(name)
+                assert (cfgs[labels[0]].fwd, cfgs[labels[0]].bwd) == (heur_f, heur_b)
+                for cfg in cfgs.values():
+                    assert fits(module, shape, cfg.fwd, cfg.bwd)
+                    # one pass's blocks vary, the other's stay the heuristic's
+                    assert (cfg.fwd if backward else cfg.bwd) == (heur_f if backward else heur_b)
+                if case.seq >= 8192:  # long sequences leave room for alternatives
+                    assert len(cfgs) > 3
 
 
 def test_power_and_clock_reads_nvidia_smi_samples(tmp_path, monkeypatch):
