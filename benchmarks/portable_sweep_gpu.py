@@ -168,9 +168,13 @@ def main() -> int:
     for b in args.backends.split(","):
         if b not in BACKENDS:
             parser.error(f"--backends: {b!r} is not one of {sorted(BACKENDS)}")
+    shapes = parse_shapes(args.shapes)
+    for b, s, h, kvh, d in shapes:
+        if kvh != h:
+            parser.error(f"--shapes: {b}x{s}x{h}x{d}x{kvh} has GQA, which mha does not take")
     cases = [
         Case(b, s, h, kvh, d, causal)
-        for b, s, h, kvh, d in parse_shapes(args.shapes)
+        for b, s, h, kvh, d in shapes
         for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     ]
     rows: list[dict[str, Any]] = []
