@@ -12,7 +12,14 @@ import numpy as np
 from .._registry import BwdParams, FwdParams, available_platforms, get_kernel, register_kernel
 from ._spec import AttentionSpec
 
-__all__ = ["ALGORITHM", "AttentionBackend", "AttentionShape", "backend_for", "register_backend"]
+__all__ = [
+    "ALGORITHM",
+    "AttentionBackend",
+    "AttentionShape",
+    "backend_for",
+    "register_backend",
+    "shrink_to_fit",
+]
 
 ALGORITHM = "flash_attention"
 
@@ -42,6 +49,34 @@ class AttentionShape:
             dtype=np.dtype(q.dtype).name,
             spec=spec,
         )
+
+
+def shrink_to_fit(
+    shape: AttentionShape, params: Any, fits: Callable[[Any], bool], min_block: int
+) -> Any:
+    """``params`` (``FwdParams`` or ``BwdParams``) with blocks cut to the sequences' next powers of
+    two, then fewer stages, then halved blocks (the key block first) until ``fits(params)``, or as
+    small as ``min_block`` allows. Heuristics tuned for 16-bit tiles go through it: float32 tiles
+    are twice as large."""
+
+    def cut(block: int, seq: int) -> int:
+        return min(block, max(min_block, 1 << max(0, seq - 1).bit_length()))
+
+    p = dataclasses.replace(
+        params,
+        q_blocksize=cut(params.q_blocksize, shape.seq_q),
+        kv_blocksize=cut(params.kv_blocksize, shape.seq_k),
+    )
+    while not fits(p):
+        if p.num_stages > 1:
+            p = dataclasses.replace(p, num_stages=p.num_stages - 1)
+        elif p.kv_blocksize > min_block and p.kv_blocksize >= p.q_blocksize:
+            p = dataclasses.replace(p, kv_blocksize=p.kv_blocksize // 2)
+        elif p.q_blocksize > min_block:
+            p = dataclasses.replace(p, q_blocksize=p.q_blocksize // 2)
+        else:
+            break
+    return p
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

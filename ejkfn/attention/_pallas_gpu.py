@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .._registry import BwdParams, FwdParams
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import AttentionBackend, AttentionShape, register_backend, shrink_to_fit
 from ._dropout import keep_mask
 from ._spec import AttentionSpec
 
@@ -699,30 +699,36 @@ def _smem_bytes(outer: int, inner: int, dpad: int, stages: int, itemsize: int) -
     return (outer * dpad + 2 * stages * inner * dpad + outer * inner) * itemsize
 
 
-def _fits(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
+def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bool:
+    """Whether ``p`` suits one pass: blocks no larger than the sequences need, float32
+    accumulators within the registers, tiles within :data:`_SMEM_LIMIT`."""
     dpad = padded_head_dim(shape.head_dim)
     item = 4 if shape.dtype == "float32" else 2
     seq_q = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
     seq_k = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
-    for p in (fp, bp):
-        if p.q_blocksize > seq_q or p.kv_blocksize > seq_k:
-            return False
-        if p.q_blocksize < _MIN_BLOCK or p.kv_blocksize < _MIN_BLOCK:
-            return False
-        # f32 accumulators held in registers by the program's threads
-        regs = (p.q_blocksize * dpad + p.q_blocksize * p.kv_blocksize) / (32 * p.num_warps)
-        if regs > 256:
-            return False
-    if _smem_bytes(fp.q_blocksize, fp.kv_blocksize, dpad, fp.num_stages, item) > _SMEM_LIMIT:
+    if p.q_blocksize > seq_q or p.kv_blocksize > seq_k:
         return False
+    if p.q_blocksize < _MIN_BLOCK or p.kv_blocksize < _MIN_BLOCK:
+        return False
+    # f32 accumulators held in registers by the program's threads
+    if (p.q_blocksize * dpad + p.q_blocksize * p.kv_blocksize) / (32 * p.num_warps) > 256:
+        return False
+    if not backward:
+        smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
+        return smem <= _SMEM_LIMIT
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse
-    dkdv = _smem_bytes(2 * bp.kv_blocksize, bp.q_blocksize, dpad, bp.num_stages, item)
-    dq = _smem_bytes(2 * bp.q_blocksize, bp.kv_blocksize, dpad, bp.num_stages, item)
+    dkdv = _smem_bytes(2 * p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item)
+    dq = _smem_bytes(2 * p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
     return max(dkdv, dq) <= _SMEM_LIMIT
 
 
+def _fits(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
+    return _fits_pass(shape, fp, backward=False) and _fits_pass(shape, bp, backward=True)
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    """Block sizes that work well on Hopper for the head dim, shrunk to fit short sequences.
+    """Block sizes that work well on Hopper for the head dim, shrunk to short sequences and until
+    they fit (float32 tiles are twice the 16-bit ones measured).
 
     Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
     two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
@@ -741,14 +747,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
-    sq = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
-    sk = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
-    fp = dataclasses.replace(
-        fp, q_blocksize=min(fp.q_blocksize, sq), kv_blocksize=min(fp.kv_blocksize, sk)
-    )
-    bp = dataclasses.replace(
-        bp, q_blocksize=min(bp.q_blocksize, sq), kv_blocksize=min(bp.kv_blocksize, sk)
-    )
+    fp = shrink_to_fit(shape, fp, lambda p: _fits_pass(shape, p, backward=False), _MIN_BLOCK)
+    bp = shrink_to_fit(shape, bp, lambda p: _fits_pass(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
 
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import AttentionBackend, AttentionShape, register_backend, shrink_to_fit
 from ._dropout import threshold
 from ._spec import AttentionSpec
 
@@ -388,27 +388,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
-    return _shrink(shape, fp, backward=False), _shrink(shape, bp, backward=True)
-
-
-def _shrink(shape: AttentionShape, p: Any, backward: bool) -> Any:
-    """``p`` with blocks cut to the sequences, then fewer stages and smaller blocks until it fits
-    (float32 tiles are twice as large as the 16-bit ones the table above is for)."""
-    sq = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
-    sk = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
-    p = dataclasses.replace(
-        p, q_blocksize=min(p.q_blocksize, sq), kv_blocksize=min(p.kv_blocksize, sk)
-    )
-    while not _fits(shape, p, backward):
-        if p.num_stages > 1:
-            p = dataclasses.replace(p, num_stages=p.num_stages - 1)
-        elif p.kv_blocksize > _MIN_BLOCK and p.kv_blocksize >= p.q_blocksize:
-            p = dataclasses.replace(p, kv_blocksize=p.kv_blocksize // 2)
-        elif p.q_blocksize > _MIN_BLOCK:
-            p = dataclasses.replace(p, q_blocksize=p.q_blocksize // 2)
-        else:
-            break
-    return p
+    fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
+    bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
+    return fp, bp
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
