@@ -277,6 +277,59 @@ def interleaved_ms(
     return times
 
 
+def check_then_time(
+    case: Case,
+    backward: bool,
+    impls: dict[str, Callable[..., Any]],
+    baseline: str,
+    sets: list[tuple[Any, ...]],
+    calls: int,
+    rounds: int,
+    *,
+    warmup: int = 2,
+    error: Callable[[Any, Any], float] = rel_err,
+    max_error: float = float("inf"),
+    timing: bool = True,
+    stop: Callable[[], bool] = lambda: False,
+) -> list[dict[str, Any]]:
+    """One row per implementation of ``impls`` (jitted; ``(q, k, v)`` -> out, or with ``backward``
+    ``(q, k, v, do)`` -> (out, dq, dk, dv)): its largest ``error`` against ``impls[baseline]`` on the
+    first input set, then, for those under ``max_error``, ``warmup`` calls and the median over
+    :func:`interleaved_ms` rounds of ``calls`` calls (ms, TFLOP/s, spread, ``vs_<baseline>``). An
+    implementation that raises gets an ``error`` entry; none is checked once ``stop()`` says so."""
+    arity = 4 if backward else 3
+    sets = [s[:arity] for s in sets]
+    want = impls[baseline](*sets[0])
+    want = want if backward else (want,)
+    rows: dict[str, dict[str, Any]] = {}
+    warm: list[str] = []
+    for name, fn in impls.items():
+        if stop():
+            print(f"stopped: {case.name} from {name} on not run")
+            break
+        row = rows[name] = dict(case=case.name, pass_="fwd+bwd" if backward else "fwd", impl=name)
+        try:
+            got = fn(*sets[0])
+            got = got if backward else (got,)
+            err = max(error(g, w) for g, w in zip(got, want, strict=True))
+            row[f"max_rel_err_vs_{baseline}"] = err
+            if timing and err < max_error:
+                for i in range(warmup):
+                    jax.block_until_ready(fn(*sets[i % len(sets)]))
+                warm.append(name)
+        except Exception as exc:  # report and go on: one variant failing must not end the run
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    timed = interleaved_ms({name: impls[name] for name in warm}, sets, calls, rounds)
+    base = statistics.median(timed[baseline]) if baseline in timed else None
+    flops = case.flops(backward)
+    for name, ms_list in timed.items():
+        ms = statistics.median(ms_list)
+        rows[name].update(ms=ms, tflops=flops / ms / 1e9, spread=max(ms_list) / min(ms_list))
+        if base and name != baseline:
+            rows[name][f"vs_{baseline}"] = base / ms
+    return list(rows.values())
+
+
 def power_and_clock(
     fn: Callable[..., Any], arg_sets: list[tuple[Any, ...]], seconds: float = 1.5
 ) -> dict[str, float] | None:

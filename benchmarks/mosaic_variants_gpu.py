@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -38,15 +37,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import (
-    Case,
-    device_info,
-    fwd_bwd,
-    inputs,
-    interleaved_ms,
-    median_ms,
-    parse_shapes,
-)
+from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
@@ -175,7 +166,6 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in (False, True) if args.backward == "yes" else (False,):
-        flops = case.flops(backward)
         impls = implementations(
             case,
             backward,
@@ -183,34 +173,18 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.one_tile_per_cta,
             args.tile_order,
         )
-        arity = 4 if backward else 3
-        want = impls["cudnn"](*sets[0][:arity])
-        timed: dict[str, list[float]] = {}
-        case_rows: dict[str, dict[str, Any]] = {}
-        for name, fn in impls.items():
-            row = case_rows[name] = dict(case=case.name, pass_="fwd+bwd" if backward else "fwd")
-            row["impl"] = name
-            try:
-                got = fn(*sets[0][:arity])
-                pairs = zip(got, want, strict=True) if backward else [(got, want)]
-                row["max_rel_err_vs_cudnn"] = max(rel_err(g, w) for g, w in pairs)
-                if not args.cpu_smoke:
-                    median_ms(fn, [s[:arity] for s in sets], args.warmup, 1)
-                    timed[name] = []
-            except Exception as exc:  # report and go on: one variant failing must not end the run
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        per_round = max(1, args.iters // args.rounds)
-        fns = {name: impls[name] for name in timed}
-        timed = interleaved_ms(fns, [s[:arity] for s in sets], per_round, args.rounds)
-        base = statistics.median(timed["cudnn"]) if "cudnn" in timed else None
-        for name, row in case_rows.items():
-            if name in timed:
-                ms = statistics.median(timed[name])
-                row.update(
-                    ms=ms, tflops=flops / ms / 1e9, spread=max(timed[name]) / min(timed[name])
-                )
-                if base and name != "cudnn":
-                    row["vs_cudnn"] = base / ms
+        for row in check_then_time(
+            case,
+            backward,
+            impls,
+            "cudnn",
+            sets,
+            max(1, args.iters // args.rounds),
+            args.rounds,
+            warmup=args.warmup,
+            error=rel_err,
+            timing=not args.cpu_smoke,
+        ):
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
                   flush=True)  # fmt: skip

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
-from attention import Case, device_info, fwd_bwd, inputs, interleaved_ms, parse_shapes, rel_err
+from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
 
 import ejkfn
 from ejkfn._registry import BwdParams, FwdParams
@@ -91,10 +90,8 @@ def configs(case: Case, name: str, backward: bool) -> dict[str, AttentionConfig]
 
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]], t0: float) -> None:
-    q, k, v, do = inputs(case, 0)
-    arg_sets = [(q, k, v, do), inputs(case, 1)]
+    sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in [p == "bwd" for p in args.passes.split(",")]:
-        pass_ = "fwd+bwd" if backward else "fwd"
         fns = {"mha": mha(case)}
         for name in args.backends.split(","):
             for label, cfg in configs(case, name, backward).items():
@@ -102,51 +99,22 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]], t
                     q, k, v, causal=case.causal, cfg=cfg
                 )
         jitted = {n: jax.jit(fwd_bwd(f) if backward else f) for n, f in fns.items()}
-        sets = [a if backward else a[:3] for a in arg_sets]
-        want = jitted["mha"](*sets[0])
-        want = want if backward else (want,)
-        timed: dict[str, Any] = {}
-        for name, fn in jitted.items():
-            if time.time() - t0 > args.budget:
-                print(f"budget spent: {case.name} {pass_} from {name} on not run")
-                break
-            try:
-                got = fn(*sets[0])
-                got = got if backward else (got,)
-                err = max(rel_err(g, w) for g, w in zip(got, want, strict=True))
-            except Exception as exc:  # a configuration that does not compile is reported
-                rows.append(dict(case=case.name, pass_=pass_, impl=name, error=repr(exc)[:300]))
-                print(f"{case.name} {pass_} {name}: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if not err < 2e-2:
-                rows.append(dict(case=case.name, pass_=pass_, impl=name, rel_err=err))
-                print(
-                    f"{case.name} {pass_} {name}: relative error {err:.1e} against mha; not timed"
-                )
-                continue
-            for _ in range(2):
-                jax.block_until_ready(fn(*sets[1]))
-            timed[name] = (fn, err)
-        if "mha" not in timed:
-            continue
-        ms = interleaved_ms({n: f for n, (f, _) in timed.items()}, sets, args.calls, args.rounds)
-        flops = case.flops(backward)
-        base = float(np.median(ms["mha"]))
-        for name, (_, err) in timed.items():
-            med = float(np.median(ms[name]))
-            rows.append(
-                dict(
-                    case=case.name,
-                    pass_=pass_,
-                    impl=name,
-                    ms=med,
-                    tflops=flops / med / 1e9,
-                    vs_mha=base / med,
-                    spread=max(ms[name]) / min(ms[name]),
-                    rel_err_vs_mha=err,
-                )
-            )
-        print(f"{case.name} {pass_}: {len(timed)} timed ({time.time() - t0:.0f} s)")
+        done = check_then_time(
+            case,
+            backward,
+            jitted,
+            "mha",
+            sets,
+            args.calls,
+            args.rounds,
+            max_error=2e-2,
+            stop=lambda: time.time() - t0 > args.budget,
+        )
+        for row in done:
+            if "ms" not in row:
+                print(f"{case.name} {row['pass_']} {row['impl']}: not timed: {row}")
+        rows += done
+        print(f"{case.name}: {sum('ms' in r for r in done)} timed ({time.time() - t0:.0f} s)")
 
 
 def main() -> int:
@@ -182,11 +150,15 @@ def main() -> int:
     for case in cases:
         run_case(case, args, rows, t0)
     print(f"\n| case | pass | impl | TFLOP/s | vs mha | spread |\n|{'---|' * 6}")
-    for r in sorted(rows, key=lambda r: (r["case"], r["pass_"], -r.get("vs_mha", 0))):
+
+    def vs_mha(r: dict[str, Any]) -> float:
+        return 1.0 if r["impl"] == "mha" else r.get("vs_mha", 0.0)
+
+    for r in sorted(rows, key=lambda r: (r["case"], r["pass_"], -vs_mha(r))):
         if "ms" in r:
             print(
                 f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['tflops']:.0f} |"
-                f" {r['vs_mha']:.2f} | {r['spread']:.3f} |"
+                f" {vs_mha(r):.2f} | {r['spread']:.3f} |"
             )
     print(f"({time.time() - t0:.0f} s)")
     if args.out:

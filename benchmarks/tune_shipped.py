@@ -167,7 +167,7 @@ def tune(args: argparse.Namespace) -> None:
                     indent=1,
                 )
             )
-    print(f"\n{len(store)} configs in {folder}")
+    print(f"\n{len(store)} configs in {folder.name} (under --out)")
 
 
 def install(folders: list[str]) -> None:

@@ -266,8 +266,7 @@ def _fwd_kernel(
                 m_new = jnp.maximum(m, row_max * log2_scale if g.fold_scale else row_max)
                 alpha = jnp.exp2(m - m_new)
                 scaled = s * log2_scale if g.fold_scale else s
-                x = scaled - lax.broadcast_in_dim(m_new, s.shape, [0])
-                p = jnp.exp2(x)
+                p = jnp.exp2(scaled - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 den = den * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p16 = p.astype(dtype)
