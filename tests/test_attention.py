@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import ejkfn
 from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_attention
 from ejkfn.attention import _cudnn, registered_backends
-from ejkfn.attention._backend import AttentionBackend, AttentionShape
+from ejkfn.attention._backend import BAND_BYTES, AttentionBackend, AttentionShape, band_pairs
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -906,3 +906,21 @@ if SHAPE_REFUSALS:  # only where a native backend refuses some shapes (cuDNN on 
         x = _inputs(_in_dtype(backend, case), jax.random.key(1))
         with pytest.raises(NotImplementedError, match=backend.platform):
             jax.jit(_with_grads(_call(_in_dtype(backend, case), _cfg(backend, case))))(x)
+
+
+@pytest.mark.parametrize(
+    ("pairs", "blocks", "stream"),
+    [(64, 64, 1 << 20), (40, 2, 1 << 10), (7, 32, 1 << 10), (256, 8, 1 << 20), (2, 512, 1 << 10),
+     (64, 64, 4 << 20), (64, 8, 64 << 20)],
+)  # fmt: skip
+def test_causal_bands_divide_the_pairs_and_hold_enough_tiles(
+    pairs: int, blocks: int, stream: int
+) -> None:
+    band = band_pairs(pairs, blocks, True, stream)
+    allowed = [d for d in range(1, 17) if pairs % d == 0 and (d == 1 or d * stream <= BAND_BYTES)]
+    assert band in allowed
+    # The fewest pairs that reach 1024 tiles, else as many as the L2 budget allows.
+    smaller = [d for d in allowed if d < band]
+    assert all(d * blocks < 1024 for d in smaller)
+    assert band * blocks >= 1024 or band == max(allowed)
+    assert band_pairs(pairs, blocks, False, stream) == 1

@@ -154,7 +154,12 @@ TRITON_CASES = {
     "dropout": Case(dropout=0.25, causal=True, heads=4, kv_heads=2, bias=(1, 1)),
     "bf16_causal_d64": Case(dtype=jnp.bfloat16, dim=64, causal=True, seq_q=128, seq_k=128),
     "f16_d128": Case(dtype=jnp.float16, dim=128, seq_q=40, seq_k=56, heads=2, kv_heads=1),
-}
+    # the row max of raw products is then the min, and exp2 of the shifted scores overflows
+    "scale_negative": Case(scale=-5.0),
+    # the forward's grid: 40 (batch, head) pairs in causal bands of 10
+    "causal_bands_gqa": Case(batch=2, heads=20, kv_heads=10, dim=16, seq_q=48, seq_k=48,
+                             causal=True),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(TRITON_CASES))

@@ -163,6 +163,9 @@ FEATURES = {
     "dropout_tiny": dict(dropout=1e-12, seq_q=32, seq_k=32, batch=1),  # threshold rounds to 0
     "dropout_high_causal_gqa": dict(dropout=0.6, causal=True, heads=4, kv_heads=2),
     "scale": dict(scale_factor=3.0),
+    "scale_negative": dict(scale_factor=-30.0),  # max of raw products is the min; exp2 overflows
+    # the forward's grid: 40 (batch, head) pairs in causal bands of 10
+    "causal_bands_gqa": dict(causal=True, heads=20, kv_heads=10, seq_q=48, seq_k=48, dim=16),
     "head_dim_80": dict(dim=80, seq_q=40, seq_k=24, heads=1, batch=1),
     "head_dim_96_gqa": dict(dim=96, seq_q=32, seq_k=48, heads=2, kv_heads=1, batch=1),
     "everything": dict(

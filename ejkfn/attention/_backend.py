@@ -17,6 +17,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
+    "band_pairs",
     "register_backend",
     "shrink_to_fit",
 ]
@@ -49,6 +50,38 @@ class AttentionShape:
             dtype=np.dtype(q.dtype).name,
             spec=spec,
         )
+
+
+# Causal tiles differ in work by up to the number of blocks along the sequence. Numbered one
+# (batch, head) pair after another, the heaviest tiles of the last pairs start near the end of the
+# grid and finish alone. A band of pairs numbered pairs fastest puts all of its heavy tiles first;
+# a band of at least this many tiles (about four waves of two programs on each of 132 SMs) leaves
+# only light tiles for the band's end.
+_BAND_TILES = 1024
+_MAX_BAND = 16
+# But a band's programs soon sit all along their pairs' key/value streams, which should stay in
+# L2 (50 MB on an H100/H200). On an H200 (benchmarks/NOTES.md, ninth round) 8 MB bands ran the
+# causal forwards at D=128 2-7% faster than one pair a band and 0-7% faster than 16 MB bands;
+# the backwards' kernels ran 3-5% slower in bands, and keep the plain order.
+BAND_BYTES = 8 << 20
+
+
+def band_pairs(pairs: int, blocks: int, causal: bool, stream_bytes: int) -> int:
+    """How many (batch, head) pairs a band of a blocked grid holds (a divisor of ``pairs``).
+
+    Kernels number tile ``t`` of ``pairs * blocks`` as band ``t // (band * blocks)``, then block
+    along the sequence, then pair fastest. Without a causal mask a band is one pair: each pair's
+    blocks in turn, one key/value stream in L2 at a time. Causal grids take the fewest pairs that make a band of
+    ``_BAND_TILES`` tiles, as far as ``stream_bytes`` (what one pair's programs all read: its
+    share of the key/value heads, or of the query-side operands) keeps a band within
+    ``BAND_BYTES``.
+    """
+    if not causal:
+        return 1
+    most = max(1, min(pairs, _MAX_BAND, BAND_BYTES // max(1, stream_bytes)))
+    divisors = [d for d in range(1, most + 1) if pairs % d == 0]
+    enough = [d for d in divisors if d * blocks >= _BAND_TILES]
+    return enough[0] if enough else divisors[-1]
 
 
 def shrink_to_fit(

@@ -29,7 +29,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .._registry import BwdParams, FwdParams
-from ._backend import AttentionBackend, AttentionShape, register_backend, shrink_to_fit
+from ._backend import (
+    AttentionBackend,
+    AttentionShape,
+    band_pairs,
+    register_backend,
+    shrink_to_fit,
+)
 from ._dropout import keep_mask
 from ._spec import AttentionSpec
 
@@ -85,6 +91,7 @@ class _Geom:
     bias_bh: tuple[bool, bool]  # the bias has a (batch, heads) dim, else it broadcasts there
     mask_bh: tuple[bool, bool]
     f32: bool  # inputs are float32: keep full precision in the dots
+    itemsize: int
 
     @property
     def group(self) -> int:
@@ -111,6 +118,34 @@ class _Geom:
     @property
     def ragged_k(self) -> bool:
         return self.seq_k % self.bk != 0
+
+    def fwd_tiles(self, pid: Any) -> tuple[Any, Any]:
+        """(q block, batch * head) of program ``pid`` of the forward's grid."""
+        blocks = self.sqp // self.bq
+        pairs = self.batch * self.heads
+        stream = 2 * self.skp * self.dpad * self.itemsize // self.group  # its share of a kv head
+        band = band_pairs(pairs, blocks, self.spec.causal, stream)
+        # Causal: the last q blocks see the most keys; they start first so the tail is short.
+        return _tile(pid, blocks, band, heavy_last=self.spec.causal)
+
+
+def _tile(pid: Any, blocks: int, band: int, heavy_last: bool) -> tuple[Any, Any]:
+    """(block along the sequence, pair) of tile ``pid`` of a one-dimensional grid: bands of
+    ``band`` pairs in turn, each band's blocks in turn, pairs fastest (``_backend.band_pairs``)."""
+    per_band = band * blocks
+    r = pid % per_band
+    block = r // band
+    if heavy_last:
+        block = blocks - 1 - block
+    return block, pid // per_band * band + r % band
+
+
+def _on_tiles(specs: list[pl.BlockSpec], tiles: Any) -> list[pl.BlockSpec]:
+    """``specs`` written for a (block, pair) grid, indexed by the one-dimensional grid's tile."""
+    return [
+        pl.BlockSpec(s.block_shape, lambda pid, index=s.index_map: index(*tiles(pid)))
+        for s in specs
+    ]
 
 
 def _dot(g: _Geom, a: jax.Array, b: jax.Array, *, ta: bool = False, tb: bool = False) -> jax.Array:
@@ -268,7 +303,7 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
     r = _Refs(g, refs, ())
     o_ref, lse_ref = r.outs
     bq, bk = g.bq, g.bk
-    qi, bh = pl.program_id(0), pl.program_id(1)
+    qi, bh = g.fwd_tiles(pl.program_id(0))
     b, h = bh // g.heads, bh % g.heads
     q0 = qi * bq
     rows = q0 + jnp.arange(bq, dtype=jnp.int32)
@@ -276,6 +311,10 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
     qseg = r.qseg[...] if r.qseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+    # No bias or cap and a positive scale: the row max of the raw products, scaled once, is the
+    # max of the logits, and the scale folds into the exponent's fused multiply-add.
+    raw_max = g.spec.soft_cap is None and r.bias is None and g.spec.scale > 0
+    scale2 = g.spec.scale * LOG2E
 
     def body(kb: Any, carry: Any, masked: bool) -> Any:
         acc, m, den = carry
@@ -283,16 +322,22 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
         cols = k0 + jnp.arange(bk, dtype=jnp.int32)
         k = r.k[pl.ds(k0, bk), :]
         v = r.v[pl.ds(k0, bk), :]
-        bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
-        s, _ = _logits(g, q, k, bias)
-        if masked:
-            kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
-            mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
-            s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
-        alpha = jnp.exp2(m - m_use)
-        p = jnp.exp2(s - m_use[:, None])
+        if raw_max and not masked:  # every key visible: every row's max is finite
+            qk = _dot(g, q, k, tb=True)
+            m_new = jnp.maximum(m, jnp.max(qk, axis=1) * scale2)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(qk * scale2 - m_new[:, None])
+        else:
+            bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
+            s, _ = _logits(g, q, k, bias)
+            if masked:
+                kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
+                mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
+                s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s - m_use[:, None])
         den = den * alpha + jnp.sum(p, axis=1)
         if seed is not None:
             p = jnp.where(_keep(g, seed, b, h, rows, cols), p * inv_keep, 0.0)
@@ -450,6 +495,7 @@ def _geom(q: Any, k: Any, bias: Any, mask: Any, spec: AttentionSpec, bq: int, bk
         bias_bh=bh(bias),
         mask_bh=bh(mask),
         f32=jnp.dtype(q.dtype) == jnp.float32,
+        itemsize=jnp.dtype(q.dtype).itemsize,
     )
 
 
@@ -560,9 +606,13 @@ def fwd(
     )
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, g=g),
-        grid=(g.sqp // g.bq, g.batch * g.heads),
-        in_specs=[qspec, kvspec, kvspec, *_extra_specs_rows(g, g.bq, lambda i: i)],
-        out_specs=[qspec, pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))],
+        grid=(g.sqp // g.bq * g.batch * g.heads,),
+        in_specs=_on_tiles(
+            [qspec, kvspec, kvspec, *_extra_specs_rows(g, g.bq, lambda i: i)], g.fwd_tiles
+        ),
+        out_specs=_on_tiles(
+            [qspec, pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))], g.fwd_tiles
+        ),
         out_shape=[
             jax.ShapeDtypeStruct(qp.shape, q.dtype),
             jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp), jnp.float32),

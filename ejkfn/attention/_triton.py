@@ -30,7 +30,13 @@ import numpy as np
 
 from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
-from ._backend import AttentionBackend, AttentionShape, register_backend, shrink_to_fit
+from ._backend import (
+    AttentionBackend,
+    AttentionShape,
+    band_pairs,
+    register_backend,
+    shrink_to_fit,
+)
 from ._dropout import threshold
 from ._spec import AttentionSpec
 
@@ -126,6 +132,7 @@ class _Call:
     seq_q: int
     seq_k: int
     block_d: int
+    itemsize: int
 
 
 def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _Call:
@@ -196,7 +203,16 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         seq_q=seq_q,
         seq_k=seq_k,
         block_d=_block_d(head_dim),
+        itemsize=np.dtype(q.dtype).itemsize,
     )
+
+
+def _fwd_band(call: _Call, block_q: int, spec: AttentionSpec) -> int:
+    """(batch, head) pairs a band of the forward's grid holds; a pair streams its share of a kv
+    head's keys and values."""
+    group = call.heads // call.kv_heads
+    stream = 2 * call.seq_k * call.block_d * call.itemsize // group
+    return band_pairs(call.batch * call.heads, _cdiv(call.seq_q, block_q), spec.causal, stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +246,7 @@ def fwd(
     out, lse = launch(
         kern.fwd_kernel,
         *call.inputs,
-        grid=(_cdiv(call.seq_q, block_q), call.batch * call.heads),
+        grid=(_cdiv(call.seq_q, block_q) * call.batch * call.heads,),  # numbered by _tile
         out_shapes=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),
@@ -242,6 +258,7 @@ def fwd(
         SOB=call.meta["SQB"],
         SOS=call.meta["SQS"],
         SOH=call.meta["SQH"],
+        BAND=_fwd_band(call, block_q, spec),
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         BLOCK_D=call.block_d,

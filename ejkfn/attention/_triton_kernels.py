@@ -73,16 +73,20 @@ def _scores(
     SBN: tl.constexpr,
 ):
     """Logits in base-2 units, and ``tanh(s / cap)`` (for the soft cap's derivative; else ``qk``)."""
-    if SOFT_CAP > 0:
-        t = _tanh(qk * (SCALE / SOFT_CAP))
-        s = t * SOFT_CAP
+    t = qk
+    if SOFT_CAP == 0 and not HAS_BIAS:
+        s2 = qk * (SCALE * _LOG2E)  # one multiply a score, not two
     else:
-        t = qk
-        s = qk * SCALE
-    if HAS_BIAS:
-        inb = (rows < SEQ_Q) & (cols < SEQ_K)
-        s += tl.load(bias_base + rows * SBM + cols * SBN, mask=inb, other=0.0).to(tl.float32)
-    return s * _LOG2E, t
+        if SOFT_CAP > 0:
+            t = _tanh(qk * (SCALE / SOFT_CAP))
+            s = t * SOFT_CAP
+        else:
+            s = qk * SCALE
+        if HAS_BIAS:
+            inb = (rows < SEQ_Q) & (cols < SEQ_K)
+            s += tl.load(bias_base + rows * SBM + cols * SBN, mask=inb, other=0.0).to(tl.float32)
+        s2 = s * _LOG2E
+    return s2, t
 
 
 @triton.jit
@@ -121,6 +125,20 @@ def _visible(
         mk = tl.load(mask_base + rows * SMM + cols * SMN, mask=inb, other=0)
         ok = ok & (mk != 0)
     return ok
+
+
+@triton.jit
+@no_type_check
+def _tile(pid, BLOCKS: tl.constexpr, BAND: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """(block along the sequence, batch * head pair) of program ``pid`` on a one-dimensional grid:
+    bands of ``BAND`` pairs in turn, each band's blocks in turn, pairs fastest (see
+    ``_backend.band_pairs``). With ``HEAVY_LAST`` (causal q blocks) the last block runs first."""
+    per_band = BAND * BLOCKS
+    r = pid % per_band
+    block = r // BAND
+    if HEAVY_LAST:
+        block = BLOCKS - 1 - block
+    return block, pid // per_band * BAND + r % BAND
 
 
 @triton.jit
@@ -237,26 +255,38 @@ def _fwd_inner(
     BLOCK_D: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
+    # No bias or cap and a positive scale: the row max of the raw products, scaled once, is the
+    # max of the logits, and the scale folds into the exponent's fused multiply-add.
+    RAW_MAX: tl.constexpr = not MASKED and SOFT_CAP == 0 and not HAS_BIAS and SCALE > 0
     for n0 in range(start, stop, BLOCK_K):
         cols = n0 + tl.arange(0, BLOCK_K)
+        # Masked loads even where the block lies inside the keys: without masks, causal kernels
+        # (two loops) ran 19-22% slower on an H200 (benchmarks/NOTES.md, ninth round).
         kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_base + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s, _t = _scores(
-            qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K,
-            SBM, SBN,
-        )  # fmt: skip
-        if MASKED:
-            ok = _visible(
-                rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
-                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+        if RAW_MAX:
+            # Every key is visible, so every row's max is finite from the first block on.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * (SCALE * _LOG2E))
+            p = tl.exp2(qk * (SCALE * _LOG2E) - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+        else:
+            s, _t = _scores(
+                qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q,
+                SEQ_K, SBM, SBN,
             )  # fmt: skip
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
+            if MASKED:
+                ok = _visible(
+                    rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
+                    CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+                )  # fmt: skip
+                s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no visible key keeps m = -inf; shift it by 0 so exp2 gives 0,
+            # not NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
             p = tl.where(
@@ -318,15 +348,13 @@ def fwd_kernel(
     DROP_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BAND: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        # The last q blocks see the most keys: start them first so the tail of the grid is short.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
+    # Causal: the last q blocks see the most keys; they start first so the grid's tail is short.
+    pid_m, bh = _tile(tl.program_id(0), (SEQ_Q + BLOCK_Q - 1) // BLOCK_Q, BAND, CAUSAL)
     b = bh // HEADS
     h = bh % HEADS
     kvh = h // GROUP
@@ -747,6 +775,7 @@ def bwd_dq_kernel(
     pid_m = tl.program_id(0)
     if CAUSAL:
         # The last q blocks see the most keys: start them first so the tail of the grid is short.
+        # (The forward's bands of heads, tried here and in dK/dV, ran the backward 3-5% slower.)
         pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // HEADS

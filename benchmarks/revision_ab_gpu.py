@@ -1,0 +1,183 @@
+"""The portable kernels (Triton, Pallas-Triton) of this tree against an earlier revision's, in one run.
+
+``--previous DIR`` holds that revision's ``_triton.py``, ``_triton_kernels.py`` and
+``_pallas_gpu.py`` (``git show REV:ejkfn/attention/_triton.py > DIR/_triton.py``, and so on); several
+folders, comma-separated, compare several revisions (or edited copies), each named by its folder.
+All revisions run their own heuristic config through one custom VJP each (forward alone, then forward
+and backward), are checked against JAX's Pallas ``mha`` and timed interleaved with it
+(:func:`attention.check_then_time`). Prints each one's ratio to ``mha`` and to the other revision,
+and saves the rows under ``--out``. ``--band-mib`` adds this tree's kernels with other L2 budgets
+for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
+
+    python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
+        [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
+from portable_sweep_gpu import mha
+
+from ejkfn.attention import AttentionShape, AttentionSpec, _pallas_gpu, _triton
+from ejkfn.attention import _backend as backend_module
+
+SHAPES = "4x4096x16x128,2x8192x16x128,8x2048x32x64"
+_PACKAGE = "ejkfn.attention"
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"{_PACKAGE}.{name}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def previous_modules(folder: Path, tag: str) -> dict[str, ModuleType]:
+    """An earlier revision's backends, loaded beside this tree's without registering them."""
+    for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"--previous {folder} has no {name}")
+    kernels = _load(folder / "_triton_kernels.py", f"_{tag}_triton_kernels")
+    register = backend_module.register_backend
+    backend_module.register_backend = lambda backend: backend  # keep this tree's registered
+    try:
+        triton = _load(folder / "_triton.py", f"_{tag}_triton")
+        pallas = _load(folder / "_pallas_gpu.py", f"_{tag}_pallas_gpu")
+    finally:
+        backend_module.register_backend = register
+    triton._KERNELS = kernels.__name__
+    return {"triton": triton, "pallas": pallas}
+
+
+def direct(module: ModuleType, case: Case) -> Any:
+    """``(q, k, v) -> out`` through ``module``'s fwd and bwd with its heuristic config."""
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), "bfloat16")
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), "bfloat16")
+    fp, bp = module.heuristic(AttentionShape.of(q, k, spec))
+    none = (None,) * 5  # bias, mask, q_seg, kv_seg, seed
+
+    def forward(q, k, v):
+        return module.fwd(q, k, v, *none, spec=spec, params=fp)
+
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return forward(q, k, v)[0]
+
+    def attend_fwd(q, k, v):
+        out, lse = forward(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def attend_bwd(res, do):
+        q, k, v, out, lse = res
+        dq, dk, dv, _ = module.bwd(q, k, v, *none, out, lse, do, spec=spec, params=bp)
+        return dq, dk, dv
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend
+
+
+def with_band_bytes(fn: Any, budget: int) -> Any:
+    """``fn`` traced with ``_backend.BAND_BYTES = budget`` (jit it after wrapping)."""
+
+    def run(*args):
+        saved = backend_module.BAND_BYTES
+        backend_module.BAND_BYTES = budget
+        try:
+            return fn(*args)
+        finally:
+            backend_module.BAND_BYTES = saved
+
+    return run
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--previous", required=True, help="folders, comma-separated")
+    parser.add_argument("--backends", default="triton,pallas")
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--passes", default="fwd,bwd")
+    parser.add_argument("--band-mib", default="", help="comma-separated L2 budgets to add (MiB)")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    folders = [Path(f) for f in args.previous.split(",")]
+    tags = [f.name.strip("_") or "previous" for f in folders]
+    if len(set(tags)) != len(tags):
+        parser.error(f"--previous: folder names must differ; got {tags}")
+    previous = {t: previous_modules(f, t) for f, t in zip(folders, tags, strict=True)}
+    current = {
+        name: module
+        for name, module in {"triton": _triton, "pallas": _pallas_gpu}.items()
+        if name in args.backends.split(",")
+    }
+    budgets = [int(m) for m in args.band_mib.split(",") if m]
+    cases = [
+        Case(b, s, h, kvh, d, causal)
+        for b, s, h, kvh, d in parse_shapes(args.shapes)
+        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+    ]
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for case in cases:
+        sets = [inputs(case, seed) for seed in (0, 1)]
+        for backward in [p == "bwd" for p in args.passes.split(",")]:
+            fns = {"mha": mha(case)}
+            for name in current:
+                for tag, modules in previous.items():
+                    fns[f"{name} {tag}"] = direct(modules[name], case)
+                fns[f"{name} now"] = direct(current[name], case)
+            passes = {n: fwd_bwd(f) if backward else f for n, f in fns.items()}
+            for mib in budgets:
+                for name in current:
+                    now = passes[f"{name} now"]
+                    passes[f"{name} now, bands {mib} MiB"] = with_band_bytes(now, mib << 20)
+            jitted = {n: jax.jit(f) for n, f in passes.items()}
+            done = check_then_time(
+                case, backward, jitted, "mha", sets, args.calls, args.rounds, max_error=2e-2
+            )
+            by_impl = {r["impl"]: r for r in done}
+            for name in current:  # each revision against the first folder's
+                before = by_impl[f"{name} {tags[0]}"]
+                for impl, row in by_impl.items():
+                    if impl.startswith(name) and impl != before["impl"] and "ms" in row:
+                        row["vs_previous"] = before.get("ms", float("nan")) / row["ms"]
+            rows += done
+            print(f"{case.name} {'fwd+bwd' if backward else 'fwd'} ({time.time() - t0:.0f} s)")
+    print(f"\n| case | pass | impl | TFLOP/s | vs mha | vs {tags[0]} |\n|{'---|' * 6}")
+    for r in rows:
+        if "ms" in r:
+            print(
+                f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['tflops']:.0f} |"
+                f" {r.get('vs_mha', 1.0):.2f} | {r.get('vs_previous', float('nan')):.3f} |"
+            )
+        else:
+            print(f"| {r['case']} | {r['pass_']} | {r['impl']} | not timed: {r} |")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        kind = jax.devices()[0].device_kind.replace(" ", "_")
+        path = out / f"revision_ab_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
+        print("saved", path.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
