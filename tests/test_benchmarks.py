@@ -133,3 +133,40 @@ def test_power_and_clock_reads_nvidia_smi_samples(tmp_path, monkeypatch):
     assert (drawn["watts"], drawn["sm_mhz"]) == (650.5, 1605.0)
     fake.unlink()
     assert power_and_clock(lambda a: a + 1, [(x,)], seconds=0.1) is None
+
+
+def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
+    """A copy of this tree's portable backends, loaded as an earlier revision, computes what this
+    tree does and leaves the registered backends alone; a folder missing a module is refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import shutil
+
+    import numpy as np
+    from attention import Case, fwd_bwd, inputs
+    from revision_ab_gpu import direct, previous_modules, with_band_bytes
+
+    from ejkfn.attention import _backend, _pallas_gpu, _triton
+    from ejkfn.attention._backend import backend_for
+
+    folder = tmp_path / "_copy"
+    folder.mkdir()
+    for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
+        shutil.copy(ROOT / "ejkfn" / "attention" / name, folder / name)
+    before = backend_for("triton")
+    earlier = previous_modules(folder, "copy")
+    assert backend_for("triton") is before
+    assert earlier["triton"]._KERNELS.endswith("_copy_triton_kernels")
+    case = Case(1, 48, 2, 2, 32, True)
+    x = inputs(case, 0)
+    for name, module in (("triton", _triton), ("pallas", _pallas_gpu)):
+        want = jax.jit(fwd_bwd(direct(module, case)))(*x)
+        got = jax.jit(fwd_bwd(direct(earlier[name], case)))(*x)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+    seen = []
+    with_band_bytes(lambda: seen.append(_backend.BAND_BYTES), 3 << 20)()
+    assert seen == [3 << 20] and _backend.BAND_BYTES != 3 << 20
+    (folder / "_pallas_gpu.py").unlink()
+    with pytest.raises(FileNotFoundError, match=r"_pallas_gpu\.py"):
+        previous_modules(folder, "copy2")
