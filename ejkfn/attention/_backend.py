@@ -61,7 +61,7 @@ _BAND_TILES = 1024
 _MAX_BAND = 16
 # But a band's programs soon sit all along their pairs' key/value streams, which should stay in
 # L2 (50 MB on an H100/H200). On an H200 (benchmarks/NOTES.md, ninth round) 8 MB bands ran the
-# causal forwards at D=128 2-7% faster than one pair a band and 0-7% faster than 16 MB bands;
+# causal forwards at D=128 4-7% faster than one pair a band and up to 7% faster than 16 MB bands;
 # the backwards' kernels ran 3-5% slower in bands, and keep the plain order.
 BAND_BYTES = 8 << 20
 
