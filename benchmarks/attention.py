@@ -367,6 +367,17 @@ def power_and_clock(
     }
 
 
+def save_rows(folder: str | Path, prefix: str, rows: list[dict[str, Any]]) -> Path:
+    """``rows`` with the device's description as ``folder/<prefix>_<device>_<time>.json``."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = jax.devices()[0].device_kind.replace(" ", "_")
+    path = out / f"{prefix}_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
+    print("saved", path.name)
+    return path
+
+
 def device_info() -> dict[str, Any]:
     dev = jax.devices()[0]
     info: dict[str, Any] = {

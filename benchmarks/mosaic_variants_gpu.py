@@ -37,7 +37,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
+from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
@@ -246,13 +246,7 @@ def main() -> int:
         print(f"| {r['case']} | {r['pass_']} | {r['impl']} | {tf} | {ratio} | {err:.1e} |")
     print(f"({time.time() - t0:.0f} s)")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        kind = jax.devices()[0].device_kind.replace(" ", "_")
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = out / f"mosaic_variants_{kind}_{stamp}.json"
-        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
-        print("saved", path.name)
+        save_rows(args.out, "mosaic_variants", rows)
     failed = [r for r in rows if "error" in r or not r.get("max_rel_err_vs_cudnn", 1) < 5e-2]
     return 1 if failed else 0
 

@@ -12,15 +12,13 @@ backend's heuristic forward). Prints the ratios to ``mha`` and saves them under 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
-from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
+from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
 
 import ejkfn
 from ejkfn._registry import BwdParams, FwdParams
@@ -162,12 +160,7 @@ def main() -> int:
             )
     print(f"({time.time() - t0:.0f} s)")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        kind = jax.devices()[0].device_kind.replace(" ", "_")
-        path = out / f"portable_sweep_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
-        print("saved", path.name)
+        save_rows(args.out, "portable_sweep", rows)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -26,7 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import jax
-from attention import Case, check_then_time, device_info, fwd_bwd, inputs, parse_shapes
+from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
 from portable_sweep_gpu import mha
 
 from ejkfn.attention import AttentionShape, AttentionSpec, _pallas_gpu, _triton
@@ -170,12 +169,7 @@ def main() -> int:
         else:
             print(f"| {r['case']} | {r['pass_']} | {r['impl']} | not timed: {r} |")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        kind = jax.devices()[0].device_kind.replace(" ", "_")
-        path = out / f"revision_ab_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-        path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
-        print("saved", path.name)
+        save_rows(args.out, "revision_ab", rows)
     return 0
 
 

@@ -295,6 +295,20 @@ class _Refs:
         self.outs = tuple(it)
 
 
+def _key_block_logits(
+    g: _Geom, r: _Refs, q: Any, k: Any, k0: Any, rows: Any, cols: Any, qseg: Any, masked: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """``_logits`` of a q block against the key block at ``k0`` (forward and dQ kernels), ``-inf``
+    where not visible when ``masked``."""
+    bias = r.bias[:, pl.ds(k0, g.bk)] if r.bias is not None else None
+    s, tanh = _logits(g, q, k, bias)
+    if masked:
+        kseg = r.kseg[pl.ds(k0, g.bk)] if r.kseg is not None else None
+        mask = r.mask[:, pl.ds(k0, g.bk)] if r.mask is not None else None
+        s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+    return s, tanh
+
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels.
 
@@ -328,12 +342,7 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(qk * scale2 - m_new[:, None])
         else:
-            bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
-            s, _ = _logits(g, q, k, bias)
-            if masked:
-                kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
-                mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
-                s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+            s, _ = _key_block_logits(g, r, q, k, k0, rows, cols, qseg, masked)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
             alpha = jnp.exp2(m - m_use)
@@ -438,12 +447,7 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
         cols = k0 + jnp.arange(bk, dtype=jnp.int32)
         k = r.k[pl.ds(k0, bk), :]
         v = r.v[pl.ds(k0, bk), :]
-        bias = r.bias[:, pl.ds(k0, bk)] if r.bias is not None else None
-        s, tanh = _logits(g, q, k, bias)
-        if masked:
-            kseg = r.kseg[pl.ds(k0, bk)] if r.kseg is not None else None
-            mask = r.mask[:, pl.ds(k0, bk)] if r.mask is not None else None
-            s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+        s, tanh = _key_block_logits(g, r, q, k, k0, rows, cols, qseg, masked)
         p = jnp.exp2(s - lse[:, None])
         dp = _dot(g, do, v, tb=True)
         if seed is not None:

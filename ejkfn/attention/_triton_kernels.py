@@ -64,6 +64,10 @@ def _scores(
     rows,
     cols,
     bias_base,
+    qseg_base,
+    kvseg_base,
+    mask_base,
+    MASKED: tl.constexpr,
     SCALE: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -71,8 +75,16 @@ def _scores(
     SEQ_K: tl.constexpr,
     SBM: tl.constexpr,
     SBN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
 ):
-    """Logits in base-2 units, and ``tanh(s / cap)`` (for the soft cap's derivative; else ``qk``)."""
+    """Logits in base-2 units (``-inf`` where not visible, when ``MASKED``), and ``tanh(s / cap)``
+    (for the soft cap's derivative; else ``qk``). ``rows``/``cols`` broadcast to the tile."""
     t = qk
     if SOFT_CAP == 0 and not HAS_BIAS:
         s2 = qk * (SCALE * _LOG2E)  # one multiply a score, not two
@@ -86,6 +98,12 @@ def _scores(
             inb = (rows < SEQ_Q) & (cols < SEQ_K)
             s += tl.load(bias_base + rows * SBM + cols * SBN, mask=inb, other=0.0).to(tl.float32)
         s2 = s * _LOG2E
+    if MASKED:
+        ok = _visible(
+            rows, cols, qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+        )  # fmt: skip
+        s2 = tl.where(ok, s2, float("-inf"))
     return s2, t
 
 
@@ -272,15 +290,10 @@ def _fwd_inner(
             alpha = tl.exp2(m_i - m_new)
         else:
             s, _t = _scores(
-                qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q,
-                SEQ_K, SBM, SBN,
+                qk, rows[:, None], cols[None, :], bias_base, qseg_base, kvseg_base, mask_base,
+                MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT,
+                WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
             )  # fmt: skip
-            if MASKED:
-                ok = _visible(
-                    rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
-                    CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
-                )  # fmt: skip
-                s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no visible key keeps m = -inf; shift it by 0 so exp2 gives 0,
             # not NaN.
@@ -495,15 +508,10 @@ def _dkdv_inner(
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         s_t, t_t = _scores(
-            qk_t, rows[None, :], cols[:, None], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q,
-            SEQ_K, SBM, SBN,
+            qk_t, rows[None, :], cols[:, None], bias_base, qseg_base, kvseg_base, mask_base,
+            MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
         )  # fmt: skip
-        if MASKED:
-            ok = _visible(
-                rows[None, :], cols[:, None], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
-                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
-            )  # fmt: skip
-            s_t = tl.where(ok, s_t, float("-inf"))
         p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -694,15 +702,10 @@ def _dq_inner(
         v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         s, t = _scores(
-            qk, rows[:, None], cols[None, :], bias_base, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K,
-            SBM, SBN,
+            qk, rows[:, None], cols[None, :], bias_base, qseg_base, kvseg_base, mask_base, MASKED,
+            SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_SEG, HAS_MASK, SMM, SMN,
         )  # fmt: skip
-        if MASKED:
-            ok = _visible(
-                rows[:, None], cols[None, :], qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K,
-                CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
-            )  # fmt: skip
-            s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
