@@ -8,6 +8,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax import lax
 
 from .._registry import BwdParams, FwdParams, available_platforms, get_kernel, register_kernel
 from ._spec import AttentionSpec
@@ -18,6 +19,8 @@ __all__ = [
     "AttentionShape",
     "backend_for",
     "band_pairs",
+    "banded_tile",
+    "forward_band",
     "register_backend",
     "shrink_to_fit",
 ]
@@ -70,11 +73,11 @@ def band_pairs(pairs: int, blocks: int, causal: bool, stream_bytes: int) -> int:
     """How many (batch, head) pairs a band of a blocked grid holds (a divisor of ``pairs``).
 
     Kernels number tile ``t`` of ``pairs * blocks`` as band ``t // (band * blocks)``, then block
-    along the sequence, then pair fastest. Without a causal mask a band is one pair: each pair's
-    blocks in turn, one key/value stream in L2 at a time. Causal grids take the fewest pairs that make a band of
-    ``_BAND_TILES`` tiles, as far as ``stream_bytes`` (what one pair's programs all read: its
-    share of the key/value heads, or of the query-side operands) keeps a band within
-    ``BAND_BYTES``.
+    along the sequence, then pair fastest (:func:`banded_tile`). Without a causal mask a band is
+    one pair: each pair's blocks in turn, one key/value stream in L2 at a time. Causal grids take
+    the fewest pairs that make a band of ``_BAND_TILES`` tiles, as far as ``stream_bytes`` (what
+    one pair's programs all read: its share of the key/value heads, or of the query-side
+    operands) keeps a band within ``BAND_BYTES``.
     """
     if not causal:
         return 1
@@ -82,6 +85,24 @@ def band_pairs(pairs: int, blocks: int, causal: bool, stream_bytes: int) -> int:
     divisors = [d for d in range(1, most + 1) if pairs % d == 0]
     enough = [d for d in divisors if d * blocks >= _BAND_TILES]
     return enough[0] if enough else divisors[-1]
+
+
+def forward_band(shape: AttentionShape, q_blocks: int) -> int:
+    """:func:`band_pairs` of a forward grid of ``q_blocks`` query blocks per (batch, head) pair;
+    a pair streams its share of a kv head's keys and values."""
+    group = shape.heads // shape.kv_heads
+    stream = 2 * shape.seq_k * shape.head_dim * np.dtype(shape.dtype).itemsize // group
+    return band_pairs(shape.batch * shape.heads, q_blocks, shape.spec.causal, stream)
+
+
+def banded_tile(index: Any, blocks: int, band: int) -> tuple[Any, Any]:
+    """(block along the sequence, pair) of tile ``index`` (an int32 scalar inside a kernel):
+    bands of ``band`` pairs in turn, each band's ``blocks`` in turn, pairs fastest. ``band=1``
+    numbers each pair's blocks in turn; ``band`` = all pairs numbers pairs fastest throughout.
+    (The Triton kernels have this numbering in Triton's language, ``_triton_kernels._tile``.)"""
+    per_band = band * blocks
+    r = lax.rem(index, per_band)
+    return lax.div(r, band), lax.div(index, per_band) * band + lax.rem(r, band)
 
 
 def shrink_to_fit(

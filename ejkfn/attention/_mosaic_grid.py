@@ -19,6 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ._backend import banded_tile
+
 _HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
 HOPPER_SMEM_BYTES = 232448  # shared memory one CTA may take on an H100 or H200 (227 KiB)
 _INTERPRETER_CTAS = 3  # several tiles per CTA, so the CPU tests walk the rounds too
@@ -85,11 +87,8 @@ def split_index(
     rank, which evens out causal tiles' unequal work, but each head's keys and values are shared
     by only the few CTAs at its ranks.
     """
-    if along_sequence:
-        rest, rank = lax.div(index, ranks), lax.rem(index, ranks)
-        return lax.div(rest, heads), lax.rem(rest, heads), rank
-    rank, rest = lax.div(index, heads * batch), lax.rem(index, heads * batch)
-    return lax.div(rest, heads), lax.rem(rest, heads), rank
+    rank, pair = banded_tile(index, ranks, 1 if along_sequence else heads * batch)
+    return lax.div(pair, heads), lax.rem(pair, heads), rank
 
 
 def feed_ring(slots: int, tiles: Any, tile: Any, fetch: Any, releases: tuple[Any, ...]) -> None:

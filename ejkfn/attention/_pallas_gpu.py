@@ -32,7 +32,8 @@ from .._registry import BwdParams, FwdParams
 from ._backend import (
     AttentionBackend,
     AttentionShape,
-    band_pairs,
+    banded_tile,
+    forward_band,
     register_backend,
     shrink_to_fit,
 )
@@ -91,7 +92,6 @@ class _Geom:
     bias_bh: tuple[bool, bool]  # the bias has a (batch, heads) dim, else it broadcasts there
     mask_bh: tuple[bool, bool]
     f32: bool  # inputs are float32: keep full precision in the dots
-    itemsize: int
 
     @property
     def group(self) -> int:
@@ -119,25 +119,13 @@ class _Geom:
     def ragged_k(self) -> bool:
         return self.seq_k % self.bk != 0
 
-    def fwd_tiles(self, pid: Any) -> tuple[Any, Any]:
-        """(q block, batch * head) of program ``pid`` of the forward's grid."""
+    def fwd_tile(self, band: int, pid: Any) -> tuple[Any, Any]:
+        """(q block, batch * head) of program ``pid`` of the forward's grid, in bands of ``band``
+        pairs (``_backend.forward_band``)."""
         blocks = self.sqp // self.bq
-        pairs = self.batch * self.heads
-        stream = 2 * self.skp * self.dpad * self.itemsize // self.group  # its share of a kv head
-        band = band_pairs(pairs, blocks, self.spec.causal, stream)
+        block, pair = banded_tile(pid, blocks, band)
         # Causal: the last q blocks see the most keys; they start first so the tail is short.
-        return _tile(pid, blocks, band, heavy_last=self.spec.causal)
-
-
-def _tile(pid: Any, blocks: int, band: int, heavy_last: bool) -> tuple[Any, Any]:
-    """(block along the sequence, pair) of tile ``pid`` of a one-dimensional grid: bands of
-    ``band`` pairs in turn, each band's blocks in turn, pairs fastest (``_backend.band_pairs``)."""
-    per_band = band * blocks
-    r = pid % per_band
-    block = r // band
-    if heavy_last:
-        block = blocks - 1 - block
-    return block, pid // per_band * band + r % band
+        return (blocks - 1 - block if self.spec.causal else block), pair
 
 
 def _on_tiles(specs: list[pl.BlockSpec], tiles: Any) -> list[pl.BlockSpec]:
@@ -313,11 +301,11 @@ def _key_block_logits(
 # Kernels.
 
 
-def _fwd_kernel(*refs: Any, g: _Geom) -> None:
+def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
     r = _Refs(g, refs, ())
     o_ref, lse_ref = r.outs
     bq, bk = g.bq, g.bk
-    qi, bh = g.fwd_tiles(pl.program_id(0))
+    qi, bh = tiles(pl.program_id(0))
     b, h = bh // g.heads, bh % g.heads
     q0 = qi * bq
     rows = q0 + jnp.arange(bq, dtype=jnp.int32)
@@ -499,7 +487,6 @@ def _geom(q: Any, k: Any, bias: Any, mask: Any, spec: AttentionSpec, bq: int, bk
         bias_bh=bh(bias),
         mask_bh=bh(mask),
         f32=jnp.dtype(q.dtype) == jnp.float32,
-        itemsize=jnp.dtype(q.dtype).itemsize,
     )
 
 
@@ -601,6 +588,8 @@ def fwd(
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize)
     qp = _pad_qkv(g, q, g.sqp)
     kp, vp = _pad_qkv(g, k, g.skp), _pad_qkv(g, v, g.skp)
+    band = forward_band(AttentionShape.of(q, k, spec), g.sqp // g.bq)
+    tiles = functools.partial(g.fwd_tile, band)
     qspec = pl.BlockSpec(
         (None, g.bq, None, g.dpad), lambda i, j: (_bh(g, j)[0], i, _bh(g, j)[1], 0)
     )
@@ -609,13 +598,13 @@ def fwd(
         lambda i, j: (_bh(g, j)[0], 0, _bh(g, j)[1] // g.group, 0),
     )
     out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, g=g),
+        functools.partial(_fwd_kernel, g=g, tiles=tiles),
         grid=(g.sqp // g.bq * g.batch * g.heads,),
         in_specs=_on_tiles(
-            [qspec, kvspec, kvspec, *_extra_specs_rows(g, g.bq, lambda i: i)], g.fwd_tiles
+            [qspec, kvspec, kvspec, *_extra_specs_rows(g, g.bq, lambda i: i)], tiles
         ),
         out_specs=_on_tiles(
-            [qspec, pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))], g.fwd_tiles
+            [qspec, pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))], tiles
         ),
         out_shape=[
             jax.ShapeDtypeStruct(qp.shape, q.dtype),

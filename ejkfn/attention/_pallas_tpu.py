@@ -85,7 +85,6 @@ def _geom(q: Any, k: Any, bias: Any, spec: AttentionSpec, bq: int, bk: int) -> _
         bias_bh=dims,
         mask_bh=(False, False),
         f32=jnp.dtype(q.dtype) == jnp.float32,
-        itemsize=jnp.dtype(q.dtype).itemsize,
     )
 
 

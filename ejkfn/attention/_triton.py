@@ -33,7 +33,7 @@ from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
     AttentionBackend,
     AttentionShape,
-    band_pairs,
+    forward_band,
     register_backend,
     shrink_to_fit,
 )
@@ -132,7 +132,6 @@ class _Call:
     seq_q: int
     seq_k: int
     block_d: int
-    itemsize: int
 
 
 def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _Call:
@@ -203,16 +202,7 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         seq_q=seq_q,
         seq_k=seq_k,
         block_d=_block_d(head_dim),
-        itemsize=np.dtype(q.dtype).itemsize,
     )
-
-
-def _fwd_band(call: _Call, block_q: int, spec: AttentionSpec) -> int:
-    """(batch, head) pairs a band of the forward's grid holds; a pair streams its share of a kv
-    head's keys and values."""
-    group = call.heads // call.kv_heads
-    stream = 2 * call.seq_k * call.block_d * call.itemsize // group
-    return band_pairs(call.batch * call.heads, _cdiv(call.seq_q, block_q), spec.causal, stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -258,7 +248,7 @@ def fwd(
         SOB=call.meta["SQB"],
         SOS=call.meta["SQS"],
         SOH=call.meta["SQH"],
-        BAND=_fwd_band(call, block_q, spec),
+        BAND=forward_band(AttentionShape.of(q, k, spec), _cdiv(call.seq_q, block_q)),
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         BLOCK_D=call.block_d,

@@ -148,9 +148,9 @@ def _visible(
 @triton.jit
 @no_type_check
 def _tile(pid, BLOCKS: tl.constexpr, BAND: tl.constexpr, HEAVY_LAST: tl.constexpr):
-    """(block along the sequence, batch * head pair) of program ``pid`` on a one-dimensional grid:
-    bands of ``BAND`` pairs in turn, each band's blocks in turn, pairs fastest (see
-    ``_backend.band_pairs``). With ``HEAVY_LAST`` (causal q blocks) the last block runs first."""
+    """(block along the sequence, batch * head pair) of program ``pid`` on a one-dimensional grid,
+    numbered as ``_backend.banded_tile`` does. With ``HEAVY_LAST`` (causal q blocks) the last
+    block runs first."""
     per_band = BAND * BLOCKS
     r = pid % per_band
     block = r // BAND
