@@ -37,7 +37,15 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
+from attention import (
+    Case,
+    check_then_time,
+    fwd_bwd,
+    inputs,
+    parse_shapes,
+    power_and_clock,
+    save_rows,
+)
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
@@ -49,14 +57,20 @@ SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x
 
 
 def forward_blocks(text: str) -> list[FwdParams]:
-    """``"192x2,256x3"`` -> forward params of those key blocks x ring slots (128-row query tiles)."""
+    """``"192x2,128x2x256"`` -> forward params of those key blocks x ring slots [x query rows: 128,
+    one CTA a tile (the default), or 256, a cluster of two sharing each key/value copy]."""
     out = []
     for item in filter(None, text.split(",")):
         try:
-            bk, slots = (int(n) for n in item.split("x"))
+            bk, slots, *rows = (int(n) for n in item.split("x"))
+            if len(rows) > 1:
+                raise ValueError
         except ValueError:
-            raise SystemExit(f"--fwd-blocks item {item!r} is not KEYSxSLOTS, e.g. 192x2") from None
-        out.append(FwdParams(q_blocksize=128, kv_blocksize=bk, num_warps=12, num_stages=slots))
+            raise SystemExit(
+                f"--fwd-blocks item {item!r} is not KEYSxSLOTS[xROWS], e.g. 192x2 or 128x2x256"
+            ) from None
+        q_rows = rows[0] if rows else 128
+        out.append(FwdParams(q_blocksize=q_rows, kv_blocksize=bk, num_warps=12, num_stages=slots))
     return out
 
 
@@ -92,6 +106,7 @@ def implementations(
         impls = {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
         for fp in fwds:
             name = f"mosaic {fp.kv_blocksize}x{fp.num_stages}"
+            name += " cluster of 2" if fp.q_blocksize > 128 else ""
             impls[name] = jax.jit(ours(case.causal, heuristic, q, k, fp))
         if one_tile_per_cta:  # the grid before the persistent one, for comparison
 
@@ -185,6 +200,12 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             error=rel_err,
             timing=not args.cpu_smoke,
         ):
+            if args.power and "ms" in row:  # energy per FLOP beside time: the card is power-capped
+                arity = 4 if backward else 3
+                drawn = power_and_clock(impls[row["impl"]], [s[:arity] for s in sets])
+                if drawn:
+                    row.update(watts=drawn["watts"], sm_mhz=drawn["sm_mhz"])
+                    row["joules_per_pflop"] = drawn["watts"] / (row["tflops"] / 1e3)
             rows.append(row)
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
                   flush=True)  # fmt: skip
@@ -223,6 +244,9 @@ def main() -> int:
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
+    parser.add_argument(
+        "--power", action="store_true", help="also board power and SM clock of each"
+    )
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args()
     shapes = "1x256x2x128" if args.cpu_smoke else args.shapes

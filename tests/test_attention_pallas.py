@@ -371,6 +371,44 @@ def test_mosaic_lowers_for_cuda(name):
 
 
 @pytest.mark.parametrize(
+    "case",
+    [
+        Case(seq_q=256, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
+        Case(seq_q=200, seq_k=256, dim=64, dtype=jnp.bfloat16),  # the second CTA's rows padding
+    ],
+    ids=["f16_causal_gqa", "bf16_q_shorter_than_a_cluster"],
+)
+def test_mosaic_cluster_forward_in_gpu_interpreter(case):
+    """256 query rows: two CTAs in a cluster, each key/value block multicast to both."""
+    x = _inputs(case, 2)
+    params = FwdParams(q_blocksize=256, kv_blocksize=64, num_stages=2)
+    out, lse = _pallas_mosaic.fwd(x["q"], x["k"], x["v"], spec=case.spec, params=params)
+    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(out, want) < TOL[case.dtype]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-3)
+
+
+def test_mosaic_cluster_forward_lowers_for_cuda():
+    def lowered(q_rows: int) -> str:
+        fp = FwdParams(q_blocksize=q_rows, kv_blocksize=128, num_stages=2)
+        return _lower(_pallas_mosaic, MOSAIC_CASES["bf16_d128_causal_gqa"], H100, "cuda", fp=fp)
+
+    assert "gpu.cluster_block_id" in lowered(256)
+    assert "gpu.cluster_block_id" not in lowered(128)
+
+
+def test_mosaic_forward_refuses_other_query_rows():
+    case = MOSAIC_CASES["f16_d64"]
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    params = FwdParams(q_blocksize=192, kv_blocksize=128, num_stages=2)
+    with pytest.raises(ValueError, match="q_blocksize=192"):
+        jax.eval_shape(
+            functools.partial(_pallas_mosaic.fwd, spec=case.spec, params=params, interpret=False),
+            x["q"], x["k"], x["v"],
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
     "case, match",
     [
         (Case(dtype=jnp.bfloat16, dim=64, cap=3.0), "logits_soft_cap"),

@@ -40,14 +40,14 @@ def test_attention_benchmark_checks_then_times(tmp_path):
 
 @pytest.mark.slow
 def test_mosaic_variants_benchmark_smoke(tmp_path):
-    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--out", str(tmp_path))  # fmt: skip
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--fwd-blocks", "64x2x256", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     mosaic = [r for r in rows if r["impl"].startswith("mosaic")]
-    assert len(mosaic) == 4  # the persistent and the one-tile-per-CTA forward, causal and not
+    # the persistent, one-tile-per-CTA and two-CTA-cluster forwards, causal and not
+    assert len(mosaic) == 6 and sum("cluster of 2" in r["impl"] for r in mosaic) == 2
     assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic)
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_mosaic_variants_backward_smoke(tmp_path):
     _run("mosaic_variants_gpu.py", "--cpu-smoke", "--masks", "causal", "--tile-order", "--out", str(tmp_path))  # fmt: skip

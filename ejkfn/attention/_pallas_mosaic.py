@@ -132,6 +132,7 @@ class _Geom:
     along_sequence: bool  # tile order (see _mosaic_grid.split_index)
     fused_pv: bool = True
     pingpong: bool = True
+    cluster: int = 1  # CTAs on neighbouring query tiles that share each K/V copy (multicast)
 
     @property
     def offset(self) -> int:
@@ -145,12 +146,19 @@ class _Geom:
         return self.scale > 0
 
     @property
+    def cluster_rows(self) -> int:
+        return CTA_ROWS * self.cluster
+
+    @property
     def q_tiles(self) -> int:
-        return -(-self.seq_q // CTA_ROWS)
+        """Tiles along the query sequence, each of ``cluster_rows`` rows (one per cluster)."""
+        return -(-self.seq_q // self.cluster_rows)
 
     @property
     def rounds(self) -> Rounds:
-        return Rounds.of(self.heads * self.q_tiles * self.batch, self.resident, self.persistent)
+        """The persistent grid's rounds, over clusters."""
+        resident = self.resident // self.cluster
+        return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
 
     @property
     def out_buffer(self) -> bool:
@@ -158,12 +166,13 @@ class _Geom:
         the epilogue."""
         return self.persistent and _smem_bytes(self.dpad, self.bk, self.slots, True) <= _SMEM_LIMIT
 
-    def tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
-        """(batch, head, first query row) of ``cta``'s ``t``-th tile."""
-        index = self.rounds.index(cta, t)
+    def tile(self, cluster: Any, t: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of ``cluster``'s ``t``-th tile (``cluster_rows`` rows)."""
+        index = self.rounds.index(cluster, t)
         return query_tile(
-            index, self.heads, self.batch, self.q_tiles, CTA_ROWS, self.causal, self.along_sequence
-        )
+            index, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
+            self.along_sequence,
+        )  # fmt: skip
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see."""
@@ -189,15 +198,17 @@ def _fwd_kernel(
     k_ready, v_ready, q_ready = ready
     k_used, v_used = consumed
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cta")
+    cta = lax.axis_index("cta")  # the cluster's index on the grid
+    rank = lax.axis_index("cluster") if g.cluster > 1 else 0  # this CTA's place in its cluster
     my_tiles = g.rounds.tiles_of(cta)
     bk, slots = g.bk, g.slots
     dtype = q_ref.dtype
 
     def tile(t: Any) -> tuple[Any, Any, Any, Any]:
-        """(batch, head, first row, key blocks the CTA streams) of this CTA's ``t``-th tile."""
-        b, h, cta_base = g.tile(cta, t)
-        return b, h, cta_base, g.steps(cta_base + CTA_ROWS - 1)
+        """(batch, head, first row, key blocks the cluster streams) of this CTA's ``t``-th tile."""
+        b, h, cluster_base = g.tile(cta, t)
+        cluster_steps = g.steps(cluster_base + g.cluster_rows - 1)
+        return b, h, cluster_base + rank * CTA_ROWS, cluster_steps
 
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
@@ -342,12 +353,19 @@ def _fwd_kernel(
             b, h, _, cta_steps = tile(t)
             return cta_steps, (b, lax.div(h, jnp.int32(g.group)))
 
+        # In a cluster, each CTA copies its share of a block and TMA multicasts it to all of them.
+        shared = dict(collective_axes="cluster") if g.cluster > 1 else {}
+
         def fetch(coords: Any, kv: Any, slot: Any) -> tuple[Any, Any]:
             # K and V apart: K's slot is released after S = Q K^T, before P V reads V.
             src = (coords[0], pl.ds(kv * bk, bk), coords[1])
             return (
-                lambda: plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_ready.at[slot]),
-                lambda: plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_ready.at[slot]),
+                lambda: plgpu.copy_gmem_to_smem(
+                    k_ref.at[src], k_smem.at[slot], k_ready.at[slot], **shared
+                ),
+                lambda: plgpu.copy_gmem_to_smem(
+                    v_ref.at[src], v_smem.at[slot], v_ready.at[slot], **shared
+                ),
             )
 
         feed_ring(slots, my_tiles, items, fetch, (k_used, v_used))
@@ -374,7 +392,9 @@ def fwd(
     """Forward pass: ``(out [B, Sq, H, D], lse [B, H, Sq] float32)``.
 
     ``params.kv_blocksize`` is the key block (64, 128, 192 or 256), ``params.num_stages`` the depth of the
-    shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64).
+    shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64), or with
+    ``params.q_blocksize=256`` 256 rows on a cluster of two CTAs, each key/value block copied once
+    and multicast to both (any ``q_blocksize`` up to 128 means one CTA a tile).
     On a CPU the kernel runs in Mosaic GPU's interpreter (threads, barriers and TMA simulated: slow).
     """
     return _forward(q, k, v, spec=spec, params=params, interpret=interpret)
@@ -399,7 +419,13 @@ def _forward(
     bk = min(params.kv_blocksize, max(64, -(-seq_k // 64) * 64))
     if bk % 64 or bk > 256:
         raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128, 192 or 256")
-    sqp = -(-seq_q // CTA_ROWS) * CTA_ROWS
+    if params.q_blocksize > CTA_ROWS and params.q_blocksize != 2 * CTA_ROWS:
+        raise ValueError(
+            f"q_blocksize={params.q_blocksize} must be at most {CTA_ROWS} (one CTA a tile of "
+            f"{CTA_ROWS} rows) or {2 * CTA_ROWS} (a cluster of two CTAs sharing each key/value copy)"
+        )
+    cluster = 2 if params.q_blocksize > CTA_ROWS else 1
+    sqp = -(-seq_q // (cluster * CTA_ROWS)) * cluster * CTA_ROWS
     skp = -(-seq_k // bk) * bk
     g = _Geom(
         causal=spec.causal,
@@ -417,6 +443,7 @@ def _forward(
         along_sequence=FWD_ALONG_SEQUENCE if along_sequence is None else along_sequence,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
+        cluster=cluster,
     )
 
     def pad(x: Any, seq: int) -> Any:
@@ -437,10 +464,17 @@ def _forward(
         plgpu.Barrier(num_barriers=g.slots),
         plgpu.Barrier(num_barriers=COMPUTE_WGS),
     )
-    consumed = (
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
+    # A slot is refilled once every CTA it was multicast to has consumed it.
+    release = (
+        functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",))
+        if cluster > 1
+        else plgpu.Barrier
     )
+    consumed = (
+        release(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
+        release(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
+    )
+    clustered = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
     out, lse = plgpu.kernel(
         functools.partial(_fwd_kernel, g=g),
         out_type=(
@@ -450,6 +484,7 @@ def _forward(
         scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
         grid=(g.rounds.ctas,),
         grid_names=("cta",),
+        **clustered,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -561,7 +596,9 @@ def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
-    """Key blocks and ring depths that fit shared memory; backward: Mosaic blocks (64 or 128 key rows
+    """Key blocks and ring depths that fit shared memory, and the heuristic's in clusters of two CTAs
+    (256 query rows; on an H200 0.97-1.00x one CTA a tile without a mask and 0.96-0.98x causal at
+    D = 128: results/mosaic_variants_NVIDIA_H200_20261121-211951.json); backward: Mosaic blocks (64 or 128 key rows
     per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward (dQ by TMA
     reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), and the Triton-lowering
     candidates."""
@@ -578,6 +615,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 and (fp, heur[1]) not in out
             ):
                 out.append((fp, heur[1]))
+    if shape.seq_q > CTA_ROWS:  # the heuristic's blocks in clusters of two CTAs (multicast K/V)
+        out.append((dataclasses.replace(heur[0], q_blocksize=2 * CTA_ROWS), heur[1]))
     bwds: list[BwdParams] = []
     base = _mosaic_bwd(shape)
     if base is not None:
