@@ -80,6 +80,7 @@ def implementations(
     fwds: Sequence[FwdParams] = (),
     one_tile_per_cta: bool = False,
     other_order: bool = False,
+    unbalanced: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -124,6 +125,14 @@ def implementations(
                 )[0]
 
             impls[f"mosaic, {order(other_fwd)}"] = jax.jit(reordered)
+        if unbalanced:  # the persistent grid on every resident CTA, as before Rounds.balanced
+
+            def fixed(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, balanced=False
+                )[0]
+
+            impls["mosaic, all resident CTAs"] = jax.jit(fixed)
         return impls
     on_gpu = jax.default_backend() == "gpu"
 
@@ -132,6 +141,7 @@ def implementations(
         fwd_persistent: bool = True,
         bwd_persistent: tuple[bool, bool] | None = None,
         along_sequence: bool | None = None,
+        balanced: bool = True,
     ):
         """The Mosaic forward and backward called directly, with the kernels' private options."""
 
@@ -145,6 +155,7 @@ def implementations(
                 interpret=None,
                 persistent=fwd_persistent,
                 along_sequence=along_sequence,
+                balanced=balanced,
             )
             grads = _pallas_mosaic_bwd.bwd(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
@@ -167,6 +178,8 @@ def implementations(
         # alternate direction (as the forward's do) to even out the tiles' unequal work.
         name = "mosaic + split, tiles along the sequence, dK/dV persistent"
         impls[name] = direct(split, bwd_persistent=(True, case.dim <= 64), along_sequence=True)
+    if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
+        impls["mosaic, all resident CTAs + heuristic backward"] = direct(heuristic, balanced=False)
     if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
         # (dK/dV, dQ) grids of the split backward behind the persistent forward; the old grids.
         for dkdv, dq in ((True, True), (False, True), (False, False)):
@@ -187,6 +200,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             forward_blocks(args.fwd_blocks),
             args.one_tile_per_cta,
             args.tile_order,
+            args.unbalanced,
         )
         for row in check_then_time(
             case,
@@ -241,6 +255,11 @@ def main() -> int:
         "--tile-order",
         action="store_true",
         help="also the kernels with the tile order they do not take by default for the shape",
+    )
+    parser.add_argument(
+        "--unbalanced",
+        action="store_true",
+        help="also the forward's persistent grid on every resident CTA (no Rounds.balanced)",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

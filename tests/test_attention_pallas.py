@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
 from ejkfn.attention._backend import AttentionShape, backend_for
-from ejkfn.attention._mosaic_grid import split_index
+from ejkfn.attention._mosaic_grid import Rounds, split_index
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -563,6 +563,39 @@ def test_mosaic_tile_orders_cover_every_tile_once():
             assert (r == np.arange(ranks).repeat(batch * heads)).all()
 
 
+def test_mosaic_rounds_owners_invert_index():
+    for tiles, ctas in ((10, 3), (12, 4), (4096, 132), (4096, 128)):
+        rounds = Rounds(tiles, ctas)
+        owners = rounds.owners()
+        for cta in range(ctas):
+            mine = [int(rounds.index(cta, t)) for t in range(int(rounds.tiles_of(cta)))]
+            assert (owners[mine] == cta).all()
+        assert np.bincount(owners, minlength=ctas).sum() == tiles
+
+
+def _mosaic_fwd_geom(batch: int, seq: int, causal: bool, resident: int = 132):
+    return _pallas_mosaic._Geom(
+        causal=causal, scale=0.1, seq_q=seq, seq_k=seq, group=1, dpad=128, bk=128, slots=2,
+        heads=16, batch=batch, resident=resident, persistent=True, along_sequence=True,
+    )  # fmt: skip
+
+
+def test_mosaic_forward_rounds_balance_causal_work():
+    """At 1x32768 causal a head's 256 tiles straddle 132-CTA rounds so that the busiest CTA got
+    1.5x the mean; 128 CTAs pair every heavy tile with a light one."""
+    for batch, seq, ctas, before in ((1, 32768, 128, 1.5), (3, 8192, 128, 1.19), (2, 8192, 132, 0)):
+        g = _mosaic_fwd_geom(batch, seq, causal=True)
+        work = g.tile_work()
+        mean = work.sum() / 132
+        assert g.rounds.ctas == ctas
+        assert g.rounds.busiest(work) < 1.04 * mean
+        assert Rounds.of(len(work), 132, True).busiest(work) > before * mean
+        unbalanced = dataclasses.replace(g, balanced=False)
+        assert unbalanced.rounds.ctas == 132
+    no_mask = _mosaic_fwd_geom(2, 8192, causal=False)
+    assert no_mask.rounds.ctas == 132 and (no_mask.tile_work() == 8192 // 128 + 1).all()
+
+
 def test_mosaic_tile_order_rule():
     """The forward goes along the sequence; the backward too, except causal below 16k keys."""
     assert _pallas_mosaic.FWD_ALONG_SEQUENCE
@@ -619,6 +652,12 @@ def test_mosaic_backward_choice():
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
         assert bp.variant == "mosaic"  # the fused one measured slower causal on an H200
+        long = dataclasses.replace(shape(d), seq_q=16384, seq_k=16384)
+        assert _pallas_mosaic.heuristic(long)[1].variant == "mosaic"  # GQA: the split one
+        no_gqa = dataclasses.replace(long, kv_heads=16)
+        assert _pallas_mosaic.heuristic(no_gqa)[1].variant == (
+            "mosaic_fused" if d > 64 else "mosaic"  # from 16k keys the fused one led causal too
+        )
         full = dataclasses.replace(shape(d), spec=AttentionSpec(scale=0.1))
         fused_heuristic = _pallas_mosaic.heuristic(full)[1]
         assert fused_heuristic.variant == ("mosaic_fused" if d > 64 else "mosaic")

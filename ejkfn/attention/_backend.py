@@ -95,14 +95,26 @@ def forward_band(shape: AttentionShape, q_blocks: int) -> int:
     return band_pairs(shape.batch * shape.heads, q_blocks, shape.spec.causal, stream)
 
 
+def tile_div(a: Any, b: Any) -> Any:
+    """``a // b`` of non-negative ints: ``lax.div`` inside kernels (truncating, no floor fix-up),
+    numpy's on numpy arrays (grid schedules planned on the host)."""
+    return a // b if isinstance(a, (np.ndarray, np.generic)) else lax.div(a, b)
+
+
+def tile_rem(a: Any, b: Any) -> Any:
+    """``a % b`` of non-negative ints, as :func:`tile_div` divides."""
+    return a % b if isinstance(a, (np.ndarray, np.generic)) else lax.rem(a, b)
+
+
 def banded_tile(index: Any, blocks: int, band: int) -> tuple[Any, Any]:
-    """(block along the sequence, pair) of tile ``index`` (an int32 scalar inside a kernel):
-    bands of ``band`` pairs in turn, each band's ``blocks`` in turn, pairs fastest. ``band=1``
-    numbers each pair's blocks in turn; ``band`` = all pairs numbers pairs fastest throughout.
-    (The Triton kernels have this numbering in Triton's language, ``_triton_kernels._tile``.)"""
+    """(block along the sequence, pair) of tile ``index`` (an int32 scalar inside a kernel, or a
+    numpy array of them): bands of ``band`` pairs in turn, each band's ``blocks`` in turn, pairs
+    fastest. ``band=1`` numbers each pair's blocks in turn; ``band`` = all pairs numbers pairs
+    fastest throughout. (The Triton kernels have this numbering in Triton's language,
+    ``_triton_kernels._tile``.)"""
     per_band = band * blocks
-    r = lax.rem(index, per_band)
-    return lax.div(r, band), lax.div(index, per_band) * band + lax.rem(r, band)
+    r = tile_rem(index, per_band)
+    return tile_div(r, band), tile_div(index, per_band) * band + tile_rem(r, band)
 
 
 def shrink_to_fit(

@@ -44,13 +44,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import AttentionBackend, AttentionShape, register_backend, tile_div
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
@@ -80,6 +81,7 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 # 1x65536 (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
+FUSED_CAUSAL_KEYS = 16384  # causal, the fused backward from this many keys (see heuristic)
 
 
 def available() -> bool:
@@ -133,6 +135,7 @@ class _Geom:
     fused_pv: bool = True
     pingpong: bool = True
     cluster: int = 1  # CTAs on neighbouring query tiles that share each K/V copy (multicast)
+    balanced: bool = True  # the persistent grid's CTA count chosen for its busiest CTA's work
 
     @property
     def offset(self) -> int:
@@ -154,11 +157,23 @@ class _Geom:
         """Tiles along the query sequence, each of ``cluster_rows`` rows (one per cluster)."""
         return -(-self.seq_q // self.cluster_rows)
 
-    @property
+    @functools.cached_property
     def rounds(self) -> Rounds:
-        """The persistent grid's rounds, over clusters."""
+        """The persistent grid's rounds, over clusters, balanced on each tile's key blocks."""
         resident = self.resident // self.cluster
-        return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
+        if not self.balanced:
+            return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
+        return Rounds.balanced(self.tile_work(), resident, self.persistent)
+
+    def tile_work(self) -> np.ndarray:
+        """Each tile's key blocks plus one (its epilogue), in work-item order."""
+        index = np.arange(self.heads * self.q_tiles * self.batch, dtype=np.int32)
+        _, _, base = query_tile(
+            index, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
+            self.along_sequence,
+        )  # fmt: skip
+        steps = self.steps(base + self.cluster_rows - 1)
+        return np.broadcast_to(steps + 1.0, index.shape)  # without a mask, one count for all
 
     @property
     def out_buffer(self) -> bool:
@@ -175,11 +190,12 @@ class _Geom:
         )  # fmt: skip
 
     def steps(self, last_row: Any) -> Any:
-        """Key blocks that rows up to ``last_row`` see."""
-        last = jnp.int32(self.seq_k - 1)
+        """Key blocks that rows up to ``last_row`` see (in a kernel, or on numpy arrays)."""
+        xp = np if isinstance(last_row, np.ndarray) else jnp
+        last = xp.int32(self.seq_k - 1)
         if self.causal:
-            last = jnp.minimum(last, last_row + self.offset)
-        return lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+            last = xp.minimum(last, last_row + self.offset)
+        return tile_div(xp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
 
     def full_steps(self, first_row: Any, steps: Any) -> Any:
         """Leading key blocks fully visible to every row from ``first_row`` on (no mask needed)."""
@@ -411,6 +427,7 @@ def _forward(
     pingpong: bool = True,
     persistent: bool = True,
     along_sequence: bool | None = None,
+    balanced: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -444,6 +461,7 @@ def _forward(
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
         cluster=cluster,
+        balanced=balanced,
     )
 
     def pad(x: Any, seq: int) -> Any:
@@ -563,8 +581,9 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
-    backward where it takes the head dim (up to 128), fused where it fits and nothing is masked,
-    else the Triton-lowering one.
+    backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
+    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the
+    Triton-lowering one.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
@@ -572,7 +591,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     (results/mosaic_variants_NVIDIA_H200_20261121-134541.json); 192-key blocks spilled registers
     and lost at every shape. At D=128 the fused backward ran forward+backward 1.01-1.06x the split
     one not causal and 0.94-1.04x causal on an H200
-    (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
+    (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys 1.03-1.04x
+    (2x16384, 1x32768, 1x65536), below it 0.94-1.01x, with GQA (1x32768, 32/8 heads) 0.99x
+    (results/mosaic_variants_NVIDIA_H200_20261121-213925.json, -214449.json).
     """
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
@@ -581,7 +602,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if split is None:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
-    return fp, fused if fused and not shape.spec.causal else split
+    long_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
+    return fp, fused if fused and (not shape.spec.causal or long_causal) else split
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
