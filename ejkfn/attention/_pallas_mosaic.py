@@ -13,6 +13,9 @@ refills. The two compute warpgroups meet on a schedule barrier twice a step, one
 step ahead, so one's softmax runs while the other's products hold the tensor cores (ping-pong: on
 an H200 this took the forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at
 2x4096x16x128).
+With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
+warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
+refilled once both CTAs have released it (a tuner candidate: it measured even with one CTA a tile).
 Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its own last
 visible block and only acknowledges the rest (which its neighbour still needs), so barrier phases
 stay in step. Blocks wholly below the diagonal take an unmasked path.
@@ -27,8 +30,9 @@ Three backward passes take the natural-log ``lse`` this forward writes, chosen b
 (FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ
 into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128); or ``None``, the
 Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim).
-The heuristic takes ``"mosaic_fused"`` where it fits and nothing is masked (faster there on an
-H200), else ``"mosaic"`` where it can; the tuner tries all three.
+The heuristic takes ``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal
+over 16k keys or more without GQA (faster there on an H200), else ``"mosaic"`` where it can; the
+tuner tries all three.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
