@@ -161,6 +161,7 @@ def implementations(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
                 persistent=bwd_persistent,
                 along_sequence=along_sequence,
+                balanced=balanced,
             )  # fmt: skip
             return out, *grads
 
@@ -259,7 +260,7 @@ def main() -> int:
     parser.add_argument(
         "--unbalanced",
         action="store_true",
-        help="also the forward's persistent grid on every resident CTA (no Rounds.balanced)",
+        help="also the persistent grids (forward, dQ) on every resident CTA (no Rounds.balanced)",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

@@ -586,6 +586,14 @@ def test_mosaic_forward_rounds_balance_causal_work():
     assert no_mask.rounds.ctas == 132 and (no_mask.tile_work() == 8192 // 128 + 1).all()
 
 
+def test_mosaic_dq_rounds_balance_causal_work():
+    """The backward's persistent dQ grid (head dims up to 64, causal) takes the same choice."""
+    spec = AttentionSpec(scale=0.1, causal=True)
+    q = jax.ShapeDtypeStruct((1, 32768, 16, 64), jnp.bfloat16)
+    g = _pallas_mosaic_bwd._geom(q, q, spec, _mosaic_bwd(128, 128), False, (False, True))
+    assert g.resident == 132 and g.dq_rounds.ctas == 128
+
+
 def test_mosaic_tile_order_rule():
     """The forward goes along the sequence; the backward too, except causal below 16k keys."""
     assert _pallas_mosaic.FWD_ALONG_SEQUENCE

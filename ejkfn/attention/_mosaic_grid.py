@@ -101,6 +101,16 @@ def query_tile(
     return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
+def query_tiles_work(
+    steps: Any, heads: int, batch: int, q_tiles: int, rows: int, causal: bool, along_sequence: bool
+) -> np.ndarray:
+    """Each query tile's work, in work-item order (for :meth:`Rounds.balanced`): ``steps(last
+    row)``, the key blocks its rows see (on numpy arrays), plus one for its epilogue."""
+    index = np.arange(heads * q_tiles * batch, dtype=np.int32)
+    _, _, base = query_tile(index, heads, batch, q_tiles, rows, causal, along_sequence)
+    return np.broadcast_to(steps(base + rows - 1) + 1.0, index.shape)  # no mask: one for all
+
+
 def split_index(
     index: Any, heads: int, batch: int, ranks: int, along_sequence: bool
 ) -> tuple[Any, Any, Any]:

@@ -61,6 +61,7 @@ from ._mosaic_grid import (
     Rounds,
     feed_ring,
     query_tile,
+    query_tiles_work,
     resident_ctas,
 )
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
@@ -171,13 +172,10 @@ class _Geom:
 
     def tile_work(self) -> np.ndarray:
         """Each tile's key blocks plus one (its epilogue), in work-item order."""
-        index = np.arange(self.heads * self.q_tiles * self.batch, dtype=np.int32)
-        _, _, base = query_tile(
-            index, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
+        return query_tiles_work(
+            self.steps, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
             self.along_sequence,
         )  # fmt: skip
-        steps = self.steps(base + self.cluster_rows - 1)
-        return np.broadcast_to(steps + 1.0, index.shape)  # without a mask, one count for all
 
     @property
     def out_buffer(self) -> bool:
@@ -195,7 +193,7 @@ class _Geom:
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see (in a kernel, or on numpy arrays)."""
-        xp = np if isinstance(last_row, np.ndarray) else jnp
+        xp = np if isinstance(last_row, np.ndarray) else jnp  # numpy: the grid planned on the host
         last = xp.int32(self.seq_k - 1)
         if self.causal:
             last = xp.minimum(last, last_row + self.offset)

@@ -62,16 +62,19 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
+from ._backend import tile_div
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
     feed_ring,
     query_tile,
+    query_tiles_work,
     resident_ctas,
     split_index,
 )
@@ -194,6 +197,7 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
+    balanced: bool = True  # the persistent dQ grid's CTA count chosen for its busiest CTA's work
 
     @property
     def offset(self) -> int:
@@ -232,11 +236,17 @@ class _Geom:
         tiles = self.kv_heads * self.key_tiles * self.batch
         return Rounds.of(tiles, self.resident, self.persistent[0])
 
-    @property
+    @functools.cached_property
     def dq_rounds(self) -> Rounds:
-        """The dQ kernel's tiles (query rows of a head) over its CTAs."""
-        tiles = self.heads * self.q_tiles * self.batch
-        return Rounds.of(tiles, self.resident, self.persistent[1])
+        """The dQ kernel's tiles (query rows of a head) over its CTAs, balanced on their work as
+        the forward's are (:meth:`Rounds.balanced`)."""
+        work = query_tiles_work(
+            self.kv_steps, self.heads, self.batch, self.q_tiles, Q_TILE_WGS * WG_ROWS,
+            self.causal, self.along_sequence,
+        )  # fmt: skip
+        if not self.balanced:
+            return Rounds.of(len(work), self.resident, self.persistent[1])
+        return Rounds.balanced(work, self.resident, self.persistent[1])
 
     def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
@@ -275,10 +285,11 @@ class _Geom:
     # dQ: which key blocks the query rows up to / from a row see (as the forward).
 
     def kv_steps(self, last_row: Any) -> Any:
-        last = jnp.int32(self.seq_k - 1)
+        xp = np if isinstance(last_row, np.ndarray) else jnp  # numpy: the grid planned on the host
+        last = xp.int32(self.seq_k - 1)
         if self.causal:
-            last = jnp.minimum(last, jnp.minimum(last_row, self.seq_q - 1) + self.offset)
-        return lax.div(jnp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+            last = xp.minimum(last, xp.minimum(last_row, self.seq_q - 1) + self.offset)
+        return tile_div(xp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
 
     def full_kv_steps(self, first_row: Any, steps: Any) -> Any:
         last = jnp.int32(self.seq_k - 1)
@@ -685,6 +696,7 @@ def _geom(
     interpret: bool,
     persistent: tuple[bool, bool] | None,
     along_sequence: bool | None = None,
+    balanced: bool = True,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
@@ -743,6 +755,7 @@ def _geom(
         registers_a=not interpret,
         fused=fused,
         tma_reduce=not interpret,
+        balanced=balanced,
     )
 
 
@@ -759,6 +772,7 @@ def bwd(
     interpret: bool,
     persistent: tuple[bool, bool] | None = None,
     along_sequence: bool | None = None,
+    balanced: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -771,12 +785,12 @@ def bwd(
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
     short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
     dQ) overrides which kernels run on the persistent grid, ``along_sequence`` their tile order
-    (:func:`._mosaic_grid.split_index`). The caller checks dtypes and features (as for the
-    forward).
+    (:func:`._mosaic_grid.split_index`), ``balanced=False`` runs a persistent dQ grid on every
+    resident CTA (for comparison). The caller checks dtypes and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, persistent, along_sequence)
+    g = _geom(q, k, spec, params, interpret, persistent, along_sequence, balanced)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
