@@ -101,6 +101,28 @@ def query_tile(
     return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
+def key_blocks(last_row: Any, seq_k: int, offset: int, block: int, causal: bool) -> Any:
+    """Key blocks (of ``block`` keys) that query rows up to ``last_row`` see; causal rows see keys
+    up to their own plus ``offset`` (``seq_k - seq_q``: bottom-right aligned). Inside a kernel, or
+    on numpy arrays (the grid planned on the host)."""
+    xp = np if isinstance(last_row, np.ndarray) else jnp
+    last = xp.int32(seq_k - 1)
+    if causal:
+        last = xp.minimum(last, last_row + offset)
+    return tile_div(xp.maximum(last + 1, 0) + (block - 1), block)
+
+
+def full_key_blocks(
+    first_row: Any, steps: Any, seq_k: int, offset: int, block: int, causal: bool
+) -> Any:
+    """Of the ``steps`` blocks a tile sees, the leading ones that every row from ``first_row`` on
+    sees whole (no mask needed)."""
+    last = jnp.int32(seq_k - 1)
+    if causal:
+        last = jnp.minimum(last, first_row + offset)
+    return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), block), steps)
+
+
 def query_tiles_work(
     steps: Any, heads: int, batch: int, q_tiles: int, rows: int, causal: bool, along_sequence: bool
 ) -> np.ndarray:

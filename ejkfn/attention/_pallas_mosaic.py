@@ -55,11 +55,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
-from ._backend import AttentionBackend, AttentionShape, register_backend, tile_div
+from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
     feed_ring,
+    full_key_blocks,
+    key_blocks,
     query_tile,
     query_tiles_work,
     resident_ctas,
@@ -192,19 +194,12 @@ class _Geom:
         )  # fmt: skip
 
     def steps(self, last_row: Any) -> Any:
-        """Key blocks that rows up to ``last_row`` see (in a kernel, or on numpy arrays)."""
-        xp = np if isinstance(last_row, np.ndarray) else jnp  # numpy: the grid planned on the host
-        last = xp.int32(self.seq_k - 1)
-        if self.causal:
-            last = xp.minimum(last, last_row + self.offset)
-        return tile_div(xp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+        """Key blocks that rows up to ``last_row`` see (:func:`._mosaic_grid.key_blocks`)."""
+        return key_blocks(last_row, self.seq_k, self.offset, self.bk, self.causal)
 
     def full_steps(self, first_row: Any, steps: Any) -> Any:
         """Leading key blocks fully visible to every row from ``first_row`` on (no mask needed)."""
-        last = jnp.int32(self.seq_k - 1)
-        if self.causal:
-            last = jnp.minimum(last, first_row + self.offset)
-        return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), self.bk), steps)
+        return full_key_blocks(first_row, steps, self.seq_k, self.offset, self.bk, self.causal)
 
 
 def _fwd_kernel(

@@ -62,17 +62,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
-from ._backend import tile_div
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
     feed_ring,
+    full_key_blocks,
+    key_blocks,
     query_tile,
     query_tiles_work,
     resident_ctas,
@@ -285,17 +285,10 @@ class _Geom:
     # dQ: which key blocks the query rows up to / from a row see (as the forward).
 
     def kv_steps(self, last_row: Any) -> Any:
-        xp = np if isinstance(last_row, np.ndarray) else jnp  # numpy: the grid planned on the host
-        last = xp.int32(self.seq_k - 1)
-        if self.causal:
-            last = xp.minimum(last, xp.minimum(last_row, self.seq_q - 1) + self.offset)
-        return tile_div(xp.maximum(last + 1, 0) + (self.bk - 1), self.bk)
+        return key_blocks(last_row, self.seq_k, self.offset, self.bk, self.causal)
 
     def full_kv_steps(self, first_row: Any, steps: Any) -> Any:
-        last = jnp.int32(self.seq_k - 1)
-        if self.causal:
-            last = jnp.minimum(last, first_row + self.offset)
-        return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), self.bk), steps)
+        return full_key_blocks(first_row, steps, self.seq_k, self.offset, self.bk, self.causal)
 
 
 def _acc(rows: int, cols: int) -> Any:
