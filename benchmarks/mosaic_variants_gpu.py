@@ -12,6 +12,12 @@ in this run.
 
     python3 benchmarks/mosaic_variants_gpu.py --out "$OUT"           # the table
     python3 benchmarks/mosaic_variants_gpu.py --profile              # each kernel twice, for ncu
+    python3 benchmarks/mosaic_variants_gpu.py --backward only --other-bwd OLD.py,EDITED.py
+
+``--other-bwd`` times other revisions of ``_pallas_mosaic_bwd.py`` (``git show
+REV:ejkfn/attention/_pallas_mosaic_bwd.py > OLD.py``, or an edited copy) beside this tree's, each
+behind this tree's forward: an A/B of backward edits in one run, where separate runs differ by more
+than the edits do.
 
 ``--cpu-smoke`` runs one tiny shape in Mosaic GPU's interpreter (no cuDNN, no timing), to check the
 script without a GPU.
@@ -20,12 +26,14 @@ script without a GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 if "--cpu-smoke" in sys.argv:  # the interpreter needs host threads (see check_mosaic_bwd_gpu.py)
@@ -74,6 +82,23 @@ def forward_blocks(text: str) -> list[FwdParams]:
     return out
 
 
+def other_backwards(paths: str) -> dict[str, ModuleType]:
+    """Other revisions of ``_pallas_mosaic_bwd.py`` (``git show REV:ejkfn/attention/...``, or
+    edited copies), comma-separated, loaded beside this tree's to be timed against it in one run;
+    each named by its file's stem."""
+    modules = {}
+    for path in filter(None, paths.split(",")):
+        name = Path(path).stem
+        spec = importlib.util.spec_from_file_location(f"ejkfn.attention._other_{name}", path)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"--other-bwd {path!r} is not a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        modules[name] = module
+    return modules
+
+
 def implementations(
     case: Case,
     backward: bool,
@@ -81,6 +106,7 @@ def implementations(
     one_tile_per_cta: bool = False,
     other_order: bool = False,
     unbalanced: bool = False,
+    others: dict[str, ModuleType] | None = None,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -142,6 +168,8 @@ def implementations(
         bwd_persistent: tuple[bool, bool] | None = None,
         along_sequence: bool | None = None,
         balanced: bool = True,
+        module: ModuleType = _pallas_mosaic_bwd,
+        **options: Any,
     ):
         """The Mosaic forward and backward called directly, with the kernels' private options."""
 
@@ -157,11 +185,11 @@ def implementations(
                 along_sequence=along_sequence,
                 balanced=balanced,
             )
-            grads = _pallas_mosaic_bwd.bwd(
+            grads = module.bwd(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
                 persistent=bwd_persistent,
                 along_sequence=along_sequence,
-                balanced=balanced,
+                balanced=balanced, **options,
             )  # fmt: skip
             return out, *grads
 
@@ -179,6 +207,11 @@ def implementations(
         # alternate direction (as the forward's do) to even out the tiles' unequal work.
         name = "mosaic + split, tiles along the sequence, dK/dV persistent"
         impls[name] = direct(split, bwd_persistent=(True, case.dim <= 64), along_sequence=True)
+    for name, bp in {"split": split, "fused": fused}.items():
+        if not (bp and _pallas_mosaic_bwd.supports(case.dim, bp)):
+            continue
+        for other, module in (others or {}).items():
+            impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, all resident CTAs + heuristic backward"] = direct(heuristic, balanced=False)
     if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
@@ -194,7 +227,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
-    for backward in (False, True) if args.backward == "yes" else (False,):
+    for backward in {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward]:
         impls = implementations(
             case,
             backward,
@@ -202,6 +235,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.one_tile_per_cta,
             args.tile_order,
             args.unbalanced,
+            other_backwards(args.other_bwd),
         )
         for row in check_then_time(
             case,
@@ -248,7 +282,9 @@ def main() -> int:
     parser.add_argument(
         "--fwd-blocks", default="", help="further forwards to time: KEYSxSLOTS,... e.g. 192x2"
     )
-    parser.add_argument("--backward", choices=("yes", "no"), default="yes")
+    parser.add_argument(
+        "--backward", choices=("yes", "no", "only"), default="yes", help="only: forward+backward"
+    )
     parser.add_argument(
         "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
     )
@@ -261,6 +297,11 @@ def main() -> int:
         "--unbalanced",
         action="store_true",
         help="also the persistent grids (forward, dQ) on every resident CTA (no Rounds.balanced)",
+    )
+    parser.add_argument(
+        "--other-bwd",
+        default="",
+        help="other revisions' _pallas_mosaic_bwd.py, comma-separated, to time beside this one's",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
@@ -276,7 +317,7 @@ def main() -> int:
         for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     ]
     if args.profile:
-        profile(cases, (False, True) if args.backward == "yes" else (False,))
+        profile(cases, {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward])
         return 0
     rows: list[dict[str, Any]] = []
     t0 = time.time()
