@@ -360,11 +360,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     p_stage = None if g.registers_a else next(rest)
     ds_stage = next(rest) if g.fused or not g.registers_a else None
     dq_stage = next(rest) if g.fused else None
-    k_ready, v_ready, q_ready, do_ready, lse_ready, delta_ready, *fused_barriers = ready
+    # A ring slot's four copies (Q, dO, lse, delta) arrive on one barrier: one wait a step.
+    k_ready, v_ready, block_ready, *fused_barriers = ready
     # The fused kernel's: a dS^T buffer stored by both warpgroups, the interpreter's dQ read, K read
     # by both before dK overwrites it.
     ds_stored, dq_read, k_read = fused_barriers or (None, None, None)
-    ring_ready = (q_ready, do_ready, lse_ready, delta_ready)
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
     my_tiles = g.dkdv_rounds.tiles_of(cta)
@@ -403,8 +403,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             def scores(slot: Any, qb: Any, masked: bool) -> tuple[Any, Any]:
                 """P^T and dS^T (16-bit) of this warpgroup's keys and query block ``qb``."""
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
-                plgpu.barrier_wait(q_ready.at[slot])
-                plgpu.barrier_wait(do_ready.at[slot])
+                plgpu.barrier_wait(block_ready.at[slot])
 
                 def scaled(s_t: Any) -> Any:
                     s_t = s_t * (g.scale * LOG2E)
@@ -414,16 +413,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                         s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
                     return s_t
 
-                def row_vector(ring: Any, ready_: Any) -> Any:
-                    plgpu.barrier_wait(ready_.at[slot])
+                def row_vector(ring: Any) -> Any:
                     return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
                 s_t, dp_t = _products(
                     shape, (k_own, q_blk.transpose((1, 0))), (v_own, do_blk.transpose((1, 0)))
                 )
                 s_t = scaled(s_t)
-                lse = row_vector(lse_ring, lse_ready)
-                delta = row_vector(delta_ring, delta_ready)
+                lse = row_vector(lse_ring)
+                delta = row_vector(delta_ring)
                 p_t, ds_t = _p_and_ds(s_t, dp_t, lse, delta, axis=1)  # queries along columns
                 return p_t.astype(dtype), ds_t.astype(dtype)
 
@@ -501,7 +499,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
                 # and release the slot.
                 slot = lax.rem(base + qb, jnp.int32(slots))
-                _wait_all(ring_ready, slot)
+                plgpu.barrier_wait(block_ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
                 return carry
 
@@ -546,13 +544,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             rows = pl.ds((first + lax.rem(i, blocks)) * bq, bq)
 
             def copy() -> None:
-                for src, ring, ready_ in (
-                    (q_ref.at[b, rows, h], q_ring, q_ready),
-                    (do_ref.at[b, rows, h], do_ring, do_ready),
-                    (lse_ref.at[b, h, rows], lse_ring, lse_ready),
-                    (delta_ref.at[b, h, rows], delta_ring, delta_ready),
+                for src, ring in (
+                    (q_ref.at[b, rows, h], q_ring),
+                    (do_ref.at[b, rows, h], do_ring),
+                    (lse_ref.at[b, h, rows], lse_ring),
+                    (delta_ref.at[b, h, rows], delta_ring),
                 ):
-                    plgpu.copy_gmem_to_smem(src, ring.at[slot], ready_.at[slot])
+                    plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
 
             return (copy,)
 
@@ -563,7 +561,8 @@ def _dq_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, smem, ready, consumed, *, g
 ) -> None:
     q_smem, do_smem, lse_smem, delta_smem, k_ring, v_ring, *staging = smem
-    q_ready, do_ready, lse_ready, delta_ready, k_ready, v_ready = ready
+    # dO, lse and delta of a tile arrive on one barrier, and a ring slot's K and V on one.
+    q_ready, rows_ready, block_ready = ready
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")
     my_tiles = g.dq_rounds.tiles_of(cta)
@@ -586,9 +585,9 @@ def _dq_kernel(
             if with_q:
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_own, q_ready.at[wg])
                 return
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_own, do_ready.at[wg])
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], lse_ready.at[wg])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], delta_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_own, rows_ready.at[wg])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[wg], rows_ready.at[wg])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[wg], rows_ready.at[wg])
 
         load(jnp.int32(0), with_q=True)
         load(jnp.int32(0), with_q=False)
@@ -599,7 +598,7 @@ def _dq_kernel(
             rows = pl.ds(row_base, WG_ROWS)
             steps = g.kv_steps(row_base + WG_ROWS - 1)
             full = g.full_kv_steps(row_base, steps)
-            _wait_all((q_ready, do_ready, lse_ready, delta_ready), wg)
+            _wait_all((q_ready, rows_ready), wg)
             shape = (WG_ROWS, bk)
             # Row vectors, broadcast where used: whole tiles would hold registers across the loop.
             lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -608,8 +607,7 @@ def _dq_kernel(
             def step(kv: Any, dq: Any, masked: bool) -> Any:
                 slot = lax.rem(start + kv, jnp.int32(slots))
                 k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(block_ready.at[slot])
                 s, dp = _products(
                     shape, (q_own, k_blk.transpose((1, 0))), (do_own, v_blk.transpose((1, 0)))
                 )
@@ -628,7 +626,7 @@ def _dq_kernel(
 
             def acknowledge(kv: Any, carry: Any) -> Any:
                 slot = lax.rem(start + kv, jnp.int32(slots))
-                _wait_all((k_ready, v_ready), slot)
+                plgpu.barrier_wait(block_ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
                 return carry
 
@@ -658,8 +656,8 @@ def _dq_kernel(
             keys = (b, pl.ds(kv * bk, bk), lax.div(h, jnp.int32(g.group)))
 
             def copy() -> None:
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_ring.at[slot], block_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_ring.at[slot], block_ready.at[slot])
 
             return (copy,)
 
@@ -820,7 +818,7 @@ def bwd(
         kv_smem.append(stage)
     kv_ready = [
         *[plgpu.Barrier(num_barriers=g.key_wgs)] * 2,
-        *[plgpu.Barrier(num_barriers=g.dkdv_slots)] * 4,
+        plgpu.Barrier(num_arrivals=4, num_barriers=g.dkdv_slots),  # Q, dO, lse and delta
     ]
     dkdv_operands: tuple[Any, ...] = operands
     if g.fused:
@@ -867,8 +865,9 @@ def bwd(
     if not g.registers_a:  # staging for dS
         q_smem.append(plgpu.SMEM((Q_TILE_WGS, WG_ROWS, g.bk), dtype, transforms=_TILED))
     q_ready = (
-        *[plgpu.Barrier(num_barriers=Q_TILE_WGS)] * 4,
-        *[plgpu.Barrier(num_barriers=g.dq_slots)] * 2,
+        plgpu.Barrier(num_barriers=Q_TILE_WGS),
+        plgpu.Barrier(num_arrivals=3, num_barriers=Q_TILE_WGS),  # dO, lse and delta
+        plgpu.Barrier(num_arrivals=2, num_barriers=g.dq_slots),  # K and V
     )
     dq = plgpu.kernel(
         functools.partial(_dq_kernel, g=g),
