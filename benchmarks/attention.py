@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import itertools
 import json
 import logging
@@ -365,6 +366,18 @@ def power_and_clock(
         "sm_mhz": statistics.median(m for _, m in samples),
         "samples": len(samples),
     }
+
+
+def load_module(path: str | Path, name: str) -> types.ModuleType:
+    """The module in file ``path`` (another revision of one of ours), loaded as
+    ``ejkfn.attention.<name>`` so that its relative imports resolve to this tree's package."""
+    spec = importlib.util.spec_from_file_location(f"ejkfn.attention.{name}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"no Python module at {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def save_rows(folder: str | Path, prefix: str, rows: list[dict[str, Any]]) -> Path:

@@ -26,7 +26,6 @@ script without a GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -50,6 +49,7 @@ from attention import (
     check_then_time,
     fwd_bwd,
     inputs,
+    load_module,
     parse_shapes,
     power_and_clock,
     save_rows,
@@ -89,13 +89,10 @@ def other_backwards(paths: str) -> dict[str, ModuleType]:
     modules = {}
     for path in filter(None, paths.split(",")):
         name = Path(path).stem
-        spec = importlib.util.spec_from_file_location(f"ejkfn.attention._other_{name}", path)
-        if spec is None or spec.loader is None:
-            raise SystemExit(f"--other-bwd {path!r} is not a Python file")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        modules[name] = module
+        try:
+            modules[name] = load_module(path, f"_other_{name}")
+        except FileNotFoundError as e:
+            raise SystemExit(f"--other-bwd: {e}") from None
     return modules
 
 

@@ -16,7 +16,6 @@ for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -25,24 +24,21 @@ from types import ModuleType
 from typing import Any
 
 import jax
-from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
+from attention import (
+    Case,
+    check_then_time,
+    fwd_bwd,
+    inputs,
+    load_module,
+    parse_shapes,
+    save_rows,
+)
 from portable_sweep_gpu import mha
 
 from ejkfn.attention import AttentionShape, AttentionSpec, _pallas_gpu, _triton
 from ejkfn.attention import _backend as backend_module
 
 SHAPES = "4x4096x16x128,2x8192x16x128,8x2048x32x64"
-_PACKAGE = "ejkfn.attention"
-
-
-def _load(path: Path, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"{_PACKAGE}.{name}", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"no module at {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def previous_modules(folder: Path, tag: str) -> dict[str, ModuleType]:
@@ -50,12 +46,12 @@ def previous_modules(folder: Path, tag: str) -> dict[str, ModuleType]:
     for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"--previous {folder} has no {name}")
-    kernels = _load(folder / "_triton_kernels.py", f"_{tag}_triton_kernels")
+    kernels = load_module(folder / "_triton_kernels.py", f"_{tag}_triton_kernels")
     register = backend_module.register_backend
     backend_module.register_backend = lambda backend: backend  # keep this tree's registered
     try:
-        triton = _load(folder / "_triton.py", f"_{tag}_triton")
-        pallas = _load(folder / "_pallas_gpu.py", f"_{tag}_pallas_gpu")
+        triton = load_module(folder / "_triton.py", f"_{tag}_triton")
+        pallas = load_module(folder / "_pallas_gpu.py", f"_{tag}_pallas_gpu")
     finally:
         backend_module.register_backend = register
     triton._KERNELS = kernels.__name__
