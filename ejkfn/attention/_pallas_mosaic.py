@@ -168,7 +168,7 @@ class _Geom:
     def rounds(self) -> Rounds:
         """The persistent grid's rounds, over clusters, balanced on each tile's key blocks."""
         resident = self.resident // self.cluster
-        if not self.balanced:
+        if not (self.balanced and self.persistent):  # nothing to balance: skip counting the work
             return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
         return Rounds.balanced(self.tile_work(), resident, self.persistent)
 
@@ -615,12 +615,12 @@ def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
-    """Key blocks and ring depths that fit shared memory, and the heuristic's in clusters of two CTAs
-    (256 query rows; on an H200 0.97-1.00x one CTA a tile without a mask and 0.96-0.98x causal at
-    D = 128: results/mosaic_variants_NVIDIA_H200_20261121-211951.json); backward: Mosaic blocks (64 or 128 key rows
-    per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward (dQ by TMA
-    reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), and the Triton-lowering
-    candidates."""
+    """Key blocks and ring depths that fit shared memory, and the heuristic's in clusters of two
+    CTAs (256 query rows; on an H200 0.97-1.00x one CTA a tile without a mask and 0.96-0.98x causal
+    at D = 128: results/mosaic_variants_NVIDIA_H200_20261121-211951.json); backward: Mosaic blocks
+    (64 or 128 key rows per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward
+    (dQ by TMA reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), and the
+    Triton-lowering candidates."""
     d = _padded_head_dim(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]

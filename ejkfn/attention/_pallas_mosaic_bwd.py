@@ -240,13 +240,15 @@ class _Geom:
     def dq_rounds(self) -> Rounds:
         """The dQ kernel's tiles (query rows of a head) over its CTAs, balanced on their work as
         the forward's are (:meth:`Rounds.balanced`)."""
+        if not (self.balanced and self.persistent[1]):  # nothing to balance: skip counting the work
+            return Rounds.of(
+                self.heads * self.q_tiles * self.batch, self.resident, self.persistent[1]
+            )
         work = query_tiles_work(
             self.kv_steps, self.heads, self.batch, self.q_tiles, Q_TILE_WGS * WG_ROWS,
             self.causal, self.along_sequence,
         )  # fmt: skip
-        if not self.balanced:
-            return Rounds.of(len(work), self.resident, self.persistent[1])
-        return Rounds.balanced(work, self.resident, self.persistent[1])
+        return Rounds.balanced(work, self.resident, True)
 
     def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
@@ -344,11 +346,6 @@ def _p_and_ds(s: Any, dp: Any, lse: Any, delta: Any, axis: int) -> tuple[Any, An
     and ``delta``, vectors over the query rows, broadcast along the tile's ``axis`` of them."""
     p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
     return p, p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
-
-
-def _wait_all(barriers: tuple[Any, ...], slot: Any) -> None:
-    for barrier in barriers:
-        plgpu.barrier_wait(barrier.at[slot])
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
@@ -598,7 +595,8 @@ def _dq_kernel(
             rows = pl.ds(row_base, WG_ROWS)
             steps = g.kv_steps(row_base + WG_ROWS - 1)
             full = g.full_kv_steps(row_base, steps)
-            _wait_all((q_ready, rows_ready), wg)
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(rows_ready.at[wg])
             shape = (WG_ROWS, bk)
             # Row vectors, broadcast where used: whole tiles would hold registers across the loop.
             lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
