@@ -104,6 +104,7 @@ def implementations(
     other_order: bool = False,
     unbalanced: bool = False,
     others: dict[str, ModuleType] | None = None,
+    whole_tail: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -156,6 +157,14 @@ def implementations(
                 )[0]
 
             impls["mosaic, all resident CTAs"] = jax.jit(fixed)
+        if whole_tail:  # the last round's tiles whole, as before SplitTail
+
+            def whole(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, split_tail=False
+                )[0]
+
+            impls["mosaic, last round whole"] = jax.jit(whole)
         return impls
     on_gpu = jax.default_backend() == "gpu"
 
@@ -166,6 +175,7 @@ def implementations(
         along_sequence: bool | None = None,
         balanced: bool = True,
         module: ModuleType = _pallas_mosaic_bwd,
+        split_tail: bool = True,
         **options: Any,
     ):
         """The Mosaic forward and backward called directly, with the kernels' private options."""
@@ -181,6 +191,7 @@ def implementations(
                 persistent=fwd_persistent,
                 along_sequence=along_sequence,
                 balanced=balanced,
+                split_tail=split_tail,
             )
             grads = module.bwd(
                 q, k, v, out, lse, do, spec=spec, params=bp, interpret=not on_gpu,
@@ -209,6 +220,8 @@ def implementations(
             continue
         for other, module in (others or {}).items():
             impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
+    if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):
+        impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, all resident CTAs + heuristic backward"] = direct(heuristic, balanced=False)
     if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
@@ -233,6 +246,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.tile_order,
             args.unbalanced,
             other_backwards(args.other_bwd),
+            args.whole_tail,
         )
         for row in check_then_time(
             case,
@@ -294,6 +308,11 @@ def main() -> int:
         "--unbalanced",
         action="store_true",
         help="also the persistent grids (forward, dQ) on every resident CTA (no Rounds.balanced)",
+    )
+    parser.add_argument(
+        "--whole-tail",
+        action="store_true",
+        help="also the forward with its last round's tiles whole (no SplitTail)",
     )
     parser.add_argument(
         "--other-bwd",

@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
 from ejkfn.attention._backend import AttentionShape, backend_for
-from ejkfn.attention._mosaic_grid import Rounds, split_index
+from ejkfn.attention._mosaic_grid import Rounds, SplitTail, split_index
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -561,6 +561,88 @@ def test_mosaic_rounds_owners_invert_index():
             mine = [int(rounds.index(cta, t)) for t in range(int(rounds.tiles_of(cta)))]
             assert (owners[mine] == cta).all()
         assert np.bincount(owners, minlength=ctas).sum() == tiles
+
+
+@pytest.mark.parametrize(
+    "tiles, ctas, blocks",
+    [(2048, 132, 64), (2048, 132, 32), (4096, 132, 64), (4096, 132, 8), (5, 3, 12), (4, 3, 32)],
+)
+def test_mosaic_split_tail_covers_the_last_round_once(tiles, ctas, blocks):
+    """Each key block of each tile after the whole rounds is in exactly one piece; a CTA runs at
+    most two pieces, at most ``piece`` blocks in all; the kernel's (jnp) plan is the host's."""
+    tail = SplitTail.plan(tiles, ctas, blocks, _pallas_mosaic.MIN_TAIL_PIECE)
+    assert tail is not None and tail.whole == tiles // ctas * ctas
+    seen = np.zeros((tiles - tail.whole, blocks), np.int32)
+    in_kernel = jax.jit(lambda c, p: (tail.pieces_of(c), *tail.piece_of(c, p)))
+    for cta in range(ctas):
+        count = int(tail.pieces_of(np.int64(cta)))
+        assert count <= 2
+        for p in range(count):
+            item, first, stop = (int(a) for a in tail.piece_of(np.int64(cta), p))
+            assert 0 <= first < stop <= blocks
+            seen[item - tail.whole, first:stop] += 1
+            traced = in_kernel(jnp.int32(cta), jnp.int32(p))
+            assert [int(a) for a in traced] == [count, item, first, stop]
+    np.testing.assert_array_equal(seen, 1)
+    slots, valid = tail.table()
+    assert slots.shape[0] == tiles - tail.whole and valid.sum() == len(set(slots[valid].tolist()))
+
+
+def test_mosaic_split_tail_only_where_a_round_is_partial():
+    assert SplitTail.plan(2048, 128, 64, 4) is None  # 16 whole rounds
+    assert SplitTail.plan(100, 132, 64, 4) is None  # less than one round
+    assert SplitTail.plan(5, 3, 4, 4) is None  # pieces as long as tiles: no tile is split
+    causal = _mosaic_fwd_geom(2, 8192, causal=True)
+    assert causal.tail is None and causal.rounds.tiles == 2048  # causal: Rounds.balanced
+    no_mask = _mosaic_fwd_geom(2, 8192, causal=False)
+    assert no_mask.tail is not None and no_mask.rounds == Rounds(1980, 132)
+    assert dataclasses.replace(no_mask, split_tail=False).tail is None
+
+
+@pytest.mark.parametrize(
+    "case, pieces",
+    [
+        # 5 tiles on 3 CTAs, a tile of 12 key blocks (the last ragged) in pieces of 8: the middle
+        # CTA ends one tile and starts the next
+        (Case(seq_q=128, seq_k=740, heads=5, kv_heads=5, dim=64, dtype=jnp.bfloat16), 2),
+        # 4 tiles: the last one's 32 key blocks in three pieces, one a CTA
+        (Case(seq_q=128, seq_k=2000, heads=4, kv_heads=2, dim=96, dtype=jnp.float16), 3),
+    ],
+    ids=["bf16_ragged_d64", "f16_gqa_d96"],
+)
+def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, monkeypatch):
+    """The last round's tiles split into pieces on several CTAs and merged give what the whole
+    tiles give (to float32 rounding), and the reference."""
+    merged = []
+
+    def merge(*args, g):
+        merged.append(g.tail)
+        return merge_tail(*args, g=g)
+
+    merge_tail = _pallas_mosaic._merge_tail
+    monkeypatch.setattr(_pallas_mosaic, "_merge_tail", merge)
+    x = _inputs(case, 5)
+    split, whole = (
+        _pallas_mosaic._forward(
+            x["q"],
+            x["k"],
+            x["v"],
+            spec=case.spec,
+            params=MOSAIC_FWD,
+            interpret=True,
+            split_tail=split_tail,
+        )
+        for split_tail in (True, False)
+    )
+    (tail,) = merged  # only the split forward merged pieces
+    assert tail.ctas == 3 and tail.table()[0].shape[1] == pieces
+    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(split[0], want) < TOL[case.dtype]
+    np.testing.assert_allclose(np.asarray(split[1]), np.asarray(want_lse), atol=1e-3)
+    np.testing.assert_allclose(
+        np.asarray(split[0], np.float32), np.asarray(whole[0], np.float32), atol=4e-3
+    )
+    np.testing.assert_allclose(np.asarray(split[1]), np.asarray(whole[1]), atol=1e-5)
 
 
 def _mosaic_fwd_geom(batch: int, seq: int, causal: bool, resident: int = 132):

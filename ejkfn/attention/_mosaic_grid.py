@@ -85,6 +85,78 @@ class Rounds:
         return full_rounds + last.astype(jnp.int32)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitTail:
+    """Tiles of equal work whose last round would leave CTAs idle: the whole rounds run as
+    :class:`Rounds` of ``ctas``, and the remaining tiles' key blocks are dealt out to every CTA in
+    runs of ``piece`` blocks (stream-K). A CTA's run covers the end of one tile, the start of the
+    next or both, so it ends with at most two pieces, each a partial result the caller merges
+    (:meth:`table` says which pieces make up each tile)."""
+
+    tiles: int
+    ctas: int
+    blocks: int  # key blocks of each tile
+    piece: int  # key blocks of a CTA's run of the tail
+
+    @classmethod
+    def plan(cls, tiles: int, ctas: int, blocks: int, min_piece: int) -> SplitTail | None:
+        """The split of the tiles left after the whole rounds, or None where there is no partial
+        round (or no whole one) to split."""
+        rest = tiles % ctas
+        if tiles <= ctas or rest == 0:
+            return None
+        piece = max(-(-rest * blocks // ctas), min_piece)
+        return cls(tiles, ctas, blocks, piece) if piece < blocks else None  # else: no tile split
+
+    @property
+    def whole(self) -> int:
+        """Tiles run whole (the first ones in work-item order)."""
+        return self.tiles - self.tiles % self.ctas
+
+    @property
+    def rounds(self) -> Rounds:
+        return Rounds(self.whole, self.ctas)
+
+    def _run(self, cta: Any) -> tuple[Any, Any]:
+        """``cta``'s run of the tail, as key blocks counted from the first tail tile's first."""
+        xp = np if isinstance(cta, (np.ndarray, np.generic, int)) else jnp
+        units = (self.tiles - self.whole) * self.blocks
+        start = xp.minimum(cta * self.piece, units)
+        return start, xp.minimum(start + self.piece, units)
+
+    def pieces_of(self, cta: Any) -> Any:
+        """How many tail pieces ``cta`` runs: 0, 1 or 2."""
+        start, stop = self._run(cta)
+        xp = np if isinstance(start, (np.ndarray, np.generic)) else jnp
+        first, last = tile_div(start, self.blocks), tile_div(stop - 1, self.blocks)
+        return xp.where(stop > start, last - first + 1, 0)
+
+    def piece_of(self, cta: Any, p: Any) -> tuple[Any, Any, Any]:
+        """(work item, first key block, end key block) of ``cta``'s ``p``-th tail piece."""
+        start, stop = self._run(cta)
+        xp = np if isinstance(start, (np.ndarray, np.generic)) else jnp
+        tile = tile_div(start, self.blocks) + p
+        first = tile * self.blocks
+        return (
+            self.whole + tile,
+            xp.maximum(start - first, 0),
+            xp.minimum(stop - first, self.blocks),
+        )
+
+    def table(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(slots, valid)``, each ``[tail tiles, most pieces a tile]``: the pieces of each tail
+        tile, piece ``p`` of CTA ``c`` being slot ``2 c + p``; ``valid`` marks the padding false."""
+        pieces: list[list[int]] = [[] for _ in range(self.tiles - self.whole)]
+        for cta in range(self.ctas):
+            for p in range(int(self.pieces_of(np.int64(cta)))):
+                item, _, _ = self.piece_of(np.int64(cta), p)
+                pieces[int(item) - self.whole].append(2 * cta + p)
+        most = max(len(s) for s in pieces)
+        slots = np.array([s + [0] * (most - len(s)) for s in pieces], np.int32)
+        valid = np.array([[True] * len(s) + [False] * (most - len(s)) for s in pieces])
+        return slots, valid
+
+
 def query_tile(
     index: Any,
     heads: int,

@@ -59,6 +59,7 @@ from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
+    SplitTail,
     feed_ring,
     full_key_blocks,
     key_blocks,
@@ -89,6 +90,9 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 FUSED_CAUSAL_KEYS = 16384  # causal, the fused backward from this many keys (see heuristic)
+# Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
+# to fill and an epilogue.
+MIN_TAIL_PIECE = 4
 
 
 def available() -> bool:
@@ -143,6 +147,7 @@ class _Geom:
     pingpong: bool = True
     cluster: int = 1  # CTAs on neighbouring query tiles that share each K/V copy (multicast)
     balanced: bool = True  # the persistent grid's CTA count chosen for its busiest CTA's work
+    split_tail: bool = True  # tiles of equal work: the last round's spread over every CTA
 
     @property
     def offset(self) -> int:
@@ -165,8 +170,22 @@ class _Geom:
         return -(-self.seq_q // self.cluster_rows)
 
     @functools.cached_property
+    def tail(self) -> SplitTail | None:
+        """Without a mask every tile sees every key block, and a last round of fewer tiles than
+        CTAs would leave the rest idle: its key blocks are dealt out to every CTA instead, each
+        CTA's pieces merged after the kernel (:func:`_merge_tail`)."""
+        if not (self.split_tail and self.persistent) or self.causal or self.cluster > 1:
+            return None
+        blocks = -(-self.seq_k // self.bk)
+        tiles = self.heads * self.q_tiles * self.batch
+        return SplitTail.plan(tiles, self.resident, blocks, MIN_TAIL_PIECE)
+
+    @functools.cached_property
     def rounds(self) -> Rounds:
-        """The persistent grid's rounds, over clusters, balanced on each tile's key blocks."""
+        """The persistent grid's rounds, over clusters, balanced on each tile's key blocks (the
+        whole rounds where the last is split)."""
+        if self.tail is not None:
+            return self.tail.rounds
         resident = self.resident // self.cluster
         if not (self.balanced and self.persistent):  # nothing to balance: skip counting the work
             return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
@@ -185,9 +204,30 @@ class _Geom:
         the epilogue."""
         return self.persistent and _smem_bytes(self.dpad, self.bk, self.slots, True) <= _SMEM_LIMIT
 
-    def tile(self, cluster: Any, t: Any) -> tuple[Any, Any, Any]:
-        """(batch, head, first query row) of ``cluster``'s ``t``-th tile (``cluster_rows`` rows)."""
-        index = self.rounds.index(cluster, t)
+    def tiles_of(self, cluster: Any) -> Any:
+        """How many tiles (and tail pieces) ``cluster`` runs."""
+        if self.tail is None:
+            return self.rounds.tiles_of(cluster)
+        return self.tail.whole // self.tail.ctas + self.tail.pieces_of(cluster)
+
+    def item(self, cluster: Any, t: Any) -> tuple[Any, Any, Any, Any]:
+        """(work item, first key block, end key block, tail piece) of ``cluster``'s ``t``-th tile;
+        the tail piece is ``t`` less the whole rounds, negative for a whole tile."""
+        if self.tail is None:
+            return self.rounds.index(cluster, t), 0, None, None
+        whole_rounds = self.tail.whole // self.tail.ctas
+        piece = t - whole_rounds
+        index, first, stop = self.tail.piece_of(cluster, jnp.maximum(piece, 0))
+        whole = piece < 0
+        return (
+            jnp.where(whole, self.rounds.index(cluster, jnp.minimum(t, whole_rounds - 1)), index),
+            jnp.where(whole, 0, first),
+            jnp.where(whole, self.tail.blocks, stop),
+            piece,
+        )
+
+    def tile_of(self, index: Any) -> tuple[Any, Any, Any]:
+        """(batch, head, first query row) of work item ``index`` (``cluster_rows`` rows)."""
         return query_tile(
             index, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
             self.along_sequence,
@@ -202,9 +242,8 @@ class _Geom:
         return full_key_blocks(first_row, steps, self.seq_k, self.offset, self.bk, self.causal)
 
 
-def _fwd_kernel(
-    q_ref, k_ref, v_ref, o_ref, lse_ref, smem, ready, consumed, schedule, *, g: _Geom
-) -> None:
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
+    (o_ref, lse_ref, *pieces_out), (smem, ready, consumed, schedule) = refs[:-4], refs[-4:]
     q_tiles, k_smem, v_smem, *extra = smem
     o_tiles = extra.pop(0) if g.out_buffer else q_tiles
     p_tiles = None if g.fused_pv else extra.pop(0)
@@ -213,15 +252,18 @@ def _fwd_kernel(
     wg = lax.axis_index("wg")
     cta = lax.axis_index("cta")  # the cluster's index on the grid
     rank = lax.axis_index("cluster") if g.cluster > 1 else 0  # this CTA's place in its cluster
-    my_tiles = g.rounds.tiles_of(cta)
+    my_tiles = g.tiles_of(cta)
     bk, slots = g.bk, g.slots
     dtype = q_ref.dtype
 
-    def tile(t: Any) -> tuple[Any, Any, Any, Any]:
-        """(batch, head, first row, key blocks the cluster streams) of this CTA's ``t``-th tile."""
-        b, h, cluster_base = g.tile(cta, t)
-        cluster_steps = g.steps(cluster_base + g.cluster_rows - 1)
-        return b, h, cluster_base + rank * CTA_ROWS, cluster_steps
+    def tile(t: Any) -> tuple[Any, ...]:
+        """(batch, head, first row, first and end key block the cluster streams, tail piece) of
+        this CTA's ``t``-th tile (see ``_Geom.item``)."""
+        index, first, stop, piece = g.item(cta, t)
+        b, h, cluster_base = g.tile_of(index)
+        if stop is None:
+            stop = g.steps(cluster_base + g.cluster_rows - 1)
+        return b, h, cluster_base + rank * CTA_ROWS, first, stop, piece
 
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
@@ -246,7 +288,7 @@ def _fwd_kernel(
         q_smem, o_smem = q_tiles.at[wg], o_tiles.at[wg]
 
         def load_q(t: Any) -> None:
-            b, h, cta_base, _ = tile(t)
+            b, h, cta_base, *_ = tile(t)
             rows = pl.ds(cta_base + wg * WG_ROWS, WG_ROWS)
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
 
@@ -254,15 +296,15 @@ def _fwd_kernel(
         pl.when(wg == 1)(rendezvous)
 
         def run_tile(t: Any, first_step: Any) -> Any:
-            b, h, cta_base, cta_steps = tile(t)
+            b, h, cta_base, first, cta_steps, piece = tile(t)
             q_base = cta_base + wg * WG_ROWS
-            steps = g.steps(q_base + WG_ROWS - 1)
-            full = g.full_steps(q_base, steps)
+            steps = jnp.minimum(g.steps(q_base + WG_ROWS - 1), cta_steps)
+            full = jnp.maximum(g.full_steps(q_base, steps), first)
             plgpu.barrier_wait(q_ready.at[wg])
 
             def step(kv: Any, carry: Any, masked: bool) -> Any:
                 acc, m, den = carry
-                slot = slot_of(first_step + kv)
+                slot = slot_of(first_step + (kv - first))
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref: Any) -> Any:
@@ -318,7 +360,7 @@ def _fwd_kernel(
             def acknowledge(kv: Any, carry: Any) -> Any:
                 # Blocks only the other warpgroup needs: wait for each copy before releasing its
                 # slot, so this warpgroup's arrivals never count towards a later phase of the slot.
-                slot = slot_of(first_step + kv)
+                slot = slot_of(first_step + (kv - first))
                 plgpu.barrier_wait(k_ready.at[slot])
                 rendezvous()
                 plgpu.barrier_arrive(k_used.at[slot])
@@ -335,7 +377,7 @@ def _fwd_kernel(
                     jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
                 ),
             )
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(first, full, functools.partial(step, masked=False), carry)
             acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
             lax.fori_loop(steps, cta_steps, acknowledge, None)
             if g.out_buffer:  # the last product has read Q: fetch the next tile's meanwhile
@@ -343,16 +385,34 @@ def _fwd_kernel(
 
             den = jnp.maximum(den, 1e-30)  # rows with no visible key: acc is 0, out is 0
             acc = acc / lax.broadcast_in_dim(den, acc.shape, [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's O has left o_smem
-            o_smem[...] = acc.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q_base, WG_ROWS), h])
-            # Stored from registers: a staging buffer would cost shared memory the key ring needs.
-            lse_ref.at[b, h, pl.ds(q_base, WG_ROWS)][...] = m * LN2 + jnp.log(den)
+            lse = m * LN2 + jnp.log(den)
+            rows = pl.ds(q_base, WG_ROWS)
+
+            def store() -> None:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last O has left o_smem
+                o_smem[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, h])
+                # From registers: a staging buffer would cost shared memory the key ring needs.
+                lse_ref.at[b, h, rows][...] = lse
+
+            def store_piece() -> None:
+                # A tail piece, normalised on its own keys, to its slot for _merge_tail; in float32
+                # from registers (a few a CTA), so the merge rounds to 16 bits once.
+                o_pieces, lse_pieces = pieces_out
+                slot, wg_rows = 2 * cta + piece, pl.ds(wg * WG_ROWS, WG_ROWS)
+                o_pieces.at[slot, wg_rows][...] = acc
+                lse_pieces.at[slot, wg_rows][...] = lse
+
+            if g.tail is None:
+                store()
+            else:
+                pl.when(piece < 0)(store)
+                pl.when(piece >= 0)(store_piece)
             if not g.out_buffer:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 pl.when(t + 1 < my_tiles)(functools.partial(load_q, t + 1))
-            return first_step + cta_steps
+            return first_step + (cta_steps - first)
 
         lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         pl.when(wg == 0)(rendezvous)
@@ -363,15 +423,15 @@ def _fwd_kernel(
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
         def items(t: Any) -> tuple[Any, Any]:
-            b, h, _, cta_steps = tile(t)
-            return cta_steps, (b, lax.div(h, jnp.int32(g.group)))
+            b, h, _, first, stop, _ = tile(t)
+            return stop - first, (b, lax.div(h, jnp.int32(g.group)), first)
 
         # In a cluster, each CTA copies its share of a block and TMA multicasts it to all of them.
         shared = dict(collective_axes="cluster") if g.cluster > 1 else {}
 
         def fetch(coords: Any, kv: Any, slot: Any) -> tuple[Any, Any]:
             # K and V apart: K's slot is released after S = Q K^T, before P V reads V.
-            src = (coords[0], pl.ds(kv * bk, bk), coords[1])
+            src = (coords[0], pl.ds((coords[2] + kv) * bk, bk), coords[1])
             return (
                 lambda: plgpu.copy_gmem_to_smem(
                     k_ref.at[src], k_smem.at[slot], k_ready.at[slot], **shared
@@ -425,6 +485,7 @@ def _forward(
     persistent: bool = True,
     along_sequence: bool | None = None,
     balanced: bool = True,
+    split_tail: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -459,6 +520,7 @@ def _forward(
         pingpong=pingpong,
         cluster=cluster,
         balanced=balanced,
+        split_tail=split_tail,
     )
 
     def pad(x: Any, seq: int) -> Any:
@@ -490,12 +552,18 @@ def _forward(
         release(num_arrivals=COMPUTE_WGS, num_barriers=g.slots),
     )
     clustered = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
-    out, lse = plgpu.kernel(
+    out_type = (
+        jax.ShapeDtypeStruct((batch, sqp, heads, g.dpad), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
+    )
+    if g.tail is not None:  # two pieces a CTA at most (SplitTail)
+        out_type += (
+            jax.ShapeDtypeStruct((2 * g.rounds.ctas, CTA_ROWS, g.dpad), jnp.float32),
+            jax.ShapeDtypeStruct((2 * g.rounds.ctas, CTA_ROWS), jnp.float32),
+        )
+    out, lse, *pieces = plgpu.kernel(
         functools.partial(_fwd_kernel, g=g),
-        out_type=(
-            jax.ShapeDtypeStruct((batch, sqp, heads, g.dpad), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, sqp), jnp.float32),
-        ),
+        out_type=out_type,
         scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
         grid=(g.rounds.ctas,),
         grid_names=("cta",),
@@ -505,9 +573,30 @@ def _forward(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if _interpreting(interpret) else None,
     )(pad(q, sqp), pad(k, skp), pad(v.astype(q.dtype), skp))
+    if g.tail is not None:
+        out, lse = _merge_tail(out, lse, *pieces, g=g)
     lse = lse[:, :, :seq_q]
     lse = jnp.where(lse < 0.5 * _FINITE_FLOOR, -jnp.inf, lse)  # rows that saw no key
     return out[:, :seq_q, :, :head_dim], lse
+
+
+def _merge_tail(
+    out: Any, lse: Any, o_pieces: Any, lse_pieces: Any, *, g: _Geom
+) -> tuple[jax.Array, jax.Array]:
+    """The split last round's tiles, each from its pieces' outputs (each normalised over its own
+    keys) weighted by their share of the row's softmax sum, written into ``out`` and ``lse``."""
+    assert g.tail is not None
+    slots, valid = g.tail.table()
+    piece_lse = jnp.where(valid[..., None], lse_pieces[slots], -jnp.inf)  # [tiles, pieces, rows]
+    tile_lse = jax.nn.logsumexp(piece_lse, axis=1)
+    weight = jnp.exp(piece_lse - tile_lse[:, None])
+    # Unused slots were never written: zero them, not only their weights (0 * NaN is NaN).
+    piece_out = jnp.where(valid[..., None, None], o_pieces[slots], 0.0)
+    tile_out = (weight[..., None] * piece_out).sum(axis=1)  # not a matmul: no TF32 rounding
+    b, h, first_row = g.tile_of(np.arange(g.tail.whole, g.tail.tiles, dtype=np.int32))
+    rows = first_row[:, None] + np.arange(CTA_ROWS, dtype=np.int32)
+    out = out.at[b[:, None], rows, h[:, None]].set(tile_out.astype(out.dtype))
+    return out, lse.at[b[:, None], h[:, None], rows].set(tile_lse)
 
 
 def bwd(
