@@ -597,6 +597,9 @@ def test_mosaic_split_tail_only_where_a_round_is_partial():
     no_mask = _mosaic_fwd_geom(2, 8192, causal=False)
     assert no_mask.tail is not None and no_mask.rounds == Rounds(1980, 132)
     assert dataclasses.replace(no_mask, split_tail=False).tail is None
+    short_tiles = _mosaic_fwd_geom(4, 4096, causal=False)  # 32 key blocks a tile
+    assert short_tiles.tail is None and short_tiles.rounds.tiles == 2048
+    assert dataclasses.replace(no_mask, dpad=64).tail is None  # ptxas spilled at head dim 64
 
 
 @pytest.mark.parametrize(
@@ -621,6 +624,9 @@ def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, monkeypatch)
 
     merge_tail = _pallas_mosaic._merge_tail
     monkeypatch.setattr(_pallas_mosaic, "_merge_tail", merge)
+    # On a GPU only long tiles at head dims from 128 split (MIN_SPLIT_*): here any, to stay small.
+    monkeypatch.setattr(_pallas_mosaic, "MIN_SPLIT_BLOCKS", 1)
+    monkeypatch.setattr(_pallas_mosaic, "MIN_SPLIT_HEAD_DIM", 1)
     x = _inputs(case, 5)
     split, whole = (
         _pallas_mosaic._forward(

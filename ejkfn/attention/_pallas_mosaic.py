@@ -93,6 +93,13 @@ FUSED_CAUSAL_KEYS = 16384  # causal, the fused backward from this many keys (see
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
+# The last round split only for tiles of this many key blocks or more, at (padded) head dims of
+# 128 or more. On an
+# H200 (forward, against the whole last round, two runs): 2x8192x16x128 1.01-1.02x and GQA
+# 2x8192x32(8)x128 1.02-1.03x; 4x4096x16x128 (32 blocks) 0.98-1.00x, the merge's few microseconds
+# weighing on a shorter kernel; 8x2048x32x64 0.92-0.95x, where ptxas spilled 116 bytes with the
+# tail's code in the kernel and none without (results/mosaic_variants_NVIDIA_H200_20261121-233853.json).
+MIN_SPLIT_BLOCKS, MIN_SPLIT_HEAD_DIM = 64, 128
 
 
 def available() -> bool:
@@ -177,6 +184,8 @@ class _Geom:
         if not (self.split_tail and self.persistent) or self.causal or self.cluster > 1:
             return None
         blocks = -(-self.seq_k // self.bk)
+        if blocks < MIN_SPLIT_BLOCKS or self.dpad < MIN_SPLIT_HEAD_DIM:
+            return None
         tiles = self.heads * self.q_tiles * self.batch
         return SplitTail.plan(tiles, self.resident, blocks, MIN_TAIL_PIECE)
 
@@ -210,11 +219,15 @@ class _Geom:
             return self.rounds.tiles_of(cluster)
         return self.tail.whole // self.tail.ctas + self.tail.pieces_of(cluster)
 
-    def item(self, cluster: Any, t: Any) -> tuple[Any, Any, Any, Any]:
-        """(work item, first key block, end key block, tail piece) of ``cluster``'s ``t``-th tile;
-        the tail piece is ``t`` less the whole rounds, negative for a whole tile."""
+    def tail_piece(self, t: Any) -> Any:
+        """Which of its tail pieces a CTA's ``t``-th tile is; negative for a whole tile."""
+        assert self.tail is not None
+        return t - self.tail.whole // self.tail.ctas  # the whole rounds come first
+
+    def item(self, cluster: Any, t: Any) -> tuple[Any, Any, Any]:
+        """(work item, first key block, end key block) of ``cluster``'s ``t``-th tile."""
         if self.tail is None:
-            return self.rounds.index(cluster, t), 0, None, None
+            return self.rounds.index(cluster, t), 0, None
         whole_rounds = self.tail.whole // self.tail.ctas
         piece = t - whole_rounds
         index, first, stop = self.tail.piece_of(cluster, jnp.maximum(piece, 0))
@@ -223,7 +236,6 @@ class _Geom:
             jnp.where(whole, self.rounds.index(cluster, jnp.minimum(t, whole_rounds - 1)), index),
             jnp.where(whole, 0, first),
             jnp.where(whole, self.tail.blocks, stop),
-            piece,
         )
 
     def tile_of(self, index: Any) -> tuple[Any, Any, Any]:
@@ -257,13 +269,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
     dtype = q_ref.dtype
 
     def tile(t: Any) -> tuple[Any, ...]:
-        """(batch, head, first row, first and end key block the cluster streams, tail piece) of
-        this CTA's ``t``-th tile (see ``_Geom.item``)."""
-        index, first, stop, piece = g.item(cta, t)
+        """(batch, head, first row, first and end key block the cluster streams) of this CTA's
+        ``t``-th tile (see ``_Geom.item``)."""
+        index, first, stop = g.item(cta, t)
         b, h, cluster_base = g.tile_of(index)
         if stop is None:
             stop = g.steps(cluster_base + g.cluster_rows - 1)
-        return b, h, cluster_base + rank * CTA_ROWS, first, stop, piece
+        return b, h, cluster_base + rank * CTA_ROWS, first, stop
 
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
@@ -296,7 +308,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         pl.when(wg == 1)(rendezvous)
 
         def run_tile(t: Any, first_step: Any) -> Any:
-            b, h, cta_base, first, cta_steps, piece = tile(t)
+            b, h, cta_base, first, cta_steps = tile(t)
+            ring_base = first_step - first  # block kv's ring slot: slot_of(ring_base + kv)
             q_base = cta_base + wg * WG_ROWS
             steps = jnp.minimum(g.steps(q_base + WG_ROWS - 1), cta_steps)
             full = jnp.maximum(g.full_steps(q_base, steps), first)
@@ -304,7 +317,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
 
             def step(kv: Any, carry: Any, masked: bool) -> Any:
                 acc, m, den = carry
-                slot = slot_of(first_step + (kv - first))
+                slot = slot_of(ring_base + kv)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref: Any) -> Any:
@@ -360,7 +373,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
             def acknowledge(kv: Any, carry: Any) -> Any:
                 # Blocks only the other warpgroup needs: wait for each copy before releasing its
                 # slot, so this warpgroup's arrivals never count towards a later phase of the slot.
-                slot = slot_of(first_step + (kv - first))
+                slot = slot_of(ring_base + kv)
                 plgpu.barrier_wait(k_ready.at[slot])
                 rendezvous()
                 plgpu.barrier_arrive(k_used.at[slot])
@@ -400,19 +413,19 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                 # A tail piece, normalised on its own keys, to its slot for _merge_tail; in float32
                 # from registers (a few a CTA), so the merge rounds to 16 bits once.
                 o_pieces, lse_pieces = pieces_out
-                slot, wg_rows = 2 * cta + piece, pl.ds(wg * WG_ROWS, WG_ROWS)
+                slot, wg_rows = 2 * cta + g.tail_piece(t), pl.ds(wg * WG_ROWS, WG_ROWS)
                 o_pieces.at[slot, wg_rows][...] = acc
                 lse_pieces.at[slot, wg_rows][...] = lse
 
             if g.tail is None:
                 store()
             else:
-                pl.when(piece < 0)(store)
-                pl.when(piece >= 0)(store_piece)
+                pl.when(g.tail_piece(t) < 0)(store)
+                pl.when(g.tail_piece(t) >= 0)(store_piece)
             if not g.out_buffer:
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 pl.when(t + 1 < my_tiles)(functools.partial(load_q, t + 1))
-            return first_step + (cta_steps - first)
+            return ring_base + cta_steps
 
         lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         pl.when(wg == 0)(rendezvous)
@@ -423,7 +436,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
         def items(t: Any) -> tuple[Any, Any]:
-            b, h, _, first, stop, _ = tile(t)
+            b, h, _, first, stop = tile(t)
             return stop - first, (b, lax.div(h, jnp.int32(g.group)), first)
 
         # In a cluster, each CTA copies its share of a block and TMA multicasts it to all of them.
