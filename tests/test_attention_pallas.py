@@ -588,6 +588,12 @@ def test_mosaic_split_tail_covers_the_last_round_once(tiles, ctas, blocks):
     assert slots.shape[0] == tiles - tail.whole and valid.sum() == len(set(slots[valid].tolist()))
 
 
+def test_mosaic_merge_runs_follow_a_heads_rows():
+    b, h = np.array([0, 0, 0, 0, 1, 1]), np.array([3, 3, 3, 4, 0, 0])
+    rows = np.array([0, 128, 384, 0, 0, 128])  # a gap at 256, then two new heads
+    assert _pallas_mosaic._runs(b, h, rows) == [(0, 2), (2, 3), (3, 4), (4, 6)]
+
+
 def test_mosaic_split_tail_only_where_a_round_is_partial():
     assert SplitTail.plan(2048, 128, 64, 4) is None  # 16 whole rounds
     assert SplitTail.plan(100, 132, 64, 4) is None  # less than one round
@@ -603,17 +609,17 @@ def test_mosaic_split_tail_only_where_a_round_is_partial():
 
 
 @pytest.mark.parametrize(
-    "case, pieces",
+    "case, pieces, scatter",
     [
         # 5 tiles on 3 CTAs, a tile of 12 key blocks (the last ragged) in pieces of 8: the middle
-        # CTA ends one tile and starts the next
-        (Case(seq_q=128, seq_k=740, heads=5, kv_heads=5, dim=64, dtype=jnp.bfloat16), 2),
-        # 4 tiles: the last one's 32 key blocks in three pieces, one a CTA
-        (Case(seq_q=128, seq_k=2000, heads=4, kv_heads=2, dim=96, dtype=jnp.float16), 3),
+        # CTA ends one tile and starts the next; merged by one scatter
+        (Case(seq_q=128, seq_k=740, heads=5, kv_heads=5, dim=64, dtype=jnp.bfloat16), 2, True),
+        # 4 tiles: the last one's 32 key blocks in three pieces, one a CTA; merged as slices
+        (Case(seq_q=128, seq_k=2000, heads=4, kv_heads=2, dim=96, dtype=jnp.float16), 3, False),
     ],
     ids=["bf16_ragged_d64", "f16_gqa_d96"],
 )
-def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, monkeypatch):
+def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, scatter, monkeypatch):
     """The last round's tiles split into pieces on several CTAs and merged give what the whole
     tiles give (to float32 rounding), and the reference."""
     merged = []
@@ -627,6 +633,8 @@ def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, monkeypatch)
     # On a GPU only long tiles at head dims from 128 split (MIN_SPLIT_*): here any, to stay small.
     monkeypatch.setattr(_pallas_mosaic, "MIN_SPLIT_BLOCKS", 1)
     monkeypatch.setattr(_pallas_mosaic, "MIN_SPLIT_HEAD_DIM", 1)
+    if scatter:
+        monkeypatch.setattr(_pallas_mosaic, "_MAX_MERGE_RUNS", 0)
     x = _inputs(case, 5)
     split, whole = (
         _pallas_mosaic._forward(

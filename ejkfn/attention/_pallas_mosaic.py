@@ -605,11 +605,33 @@ def _merge_tail(
     weight = jnp.exp(piece_lse - tile_lse[:, None])
     # Unused slots were never written: zero them, not only their weights (0 * NaN is NaN).
     piece_out = jnp.where(valid[..., None, None], o_pieces[slots], 0.0)
-    tile_out = (weight[..., None] * piece_out).sum(axis=1)  # not a matmul: no TF32 rounding
+    tile_out = (weight[..., None] * piece_out).sum(axis=1).astype(out.dtype)  # no TF32 rounding
     b, h, first_row = g.tile_of(np.arange(g.tail.whole, g.tail.tiles, dtype=np.int32))
-    rows = first_row[:, None] + np.arange(CTA_ROWS, dtype=np.int32)
-    out = out.at[b[:, None], rows, h[:, None]].set(tile_out.astype(out.dtype))
-    return out, lse.at[b[:, None], h[:, None], rows].set(tile_lse)
+    runs = _runs(b, h, first_row)
+    if len(runs) > _MAX_MERGE_RUNS:  # tiles scattered over the heads: one scatter
+        rows = first_row[:, None] + np.arange(CTA_ROWS, dtype=np.int32)
+        out = out.at[b[:, None], rows, h[:, None]].set(tile_out)
+        return out, lse.at[b[:, None], h[:, None], rows].set(tile_lse)
+    # Consecutive tiles of a head as slices: on an H200 the scatter of 68 tiles took 16 us, about
+    # 1% of the 2x8192x16x128 forward (ncu).
+    for i, j in runs:
+        bi, hi, row = int(b[i]), int(h[i]), int(first_row[i])
+        out = out.at[bi, row : row + (j - i) * CTA_ROWS, hi].set(tile_out[i:j].reshape(-1, g.dpad))
+        lse = lse.at[bi, hi, row : row + (j - i) * CTA_ROWS].set(tile_lse[i:j].reshape(-1))
+    return out, lse
+
+
+_MAX_MERGE_RUNS = 8  # runs of consecutive tiles _merge_tail writes as slices (else one scatter)
+
+
+def _runs(b: np.ndarray, h: np.ndarray, first_row: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of each run of tiles that follow one another along one head's rows."""
+    starts = [0] + [
+        i
+        for i in range(1, len(b))
+        if (b[i], h[i], first_row[i]) != (b[i - 1], h[i - 1], first_row[i - 1] + CTA_ROWS)
+    ]
+    return list(zip(starts, [*starts[1:], len(b)], strict=True))
 
 
 def bwd(
