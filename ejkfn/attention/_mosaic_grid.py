@@ -10,7 +10,8 @@ and its memory warpgroup streams that tile's first blocks while the current one 
 The pairing of heavy with light tiles holds only where the work falls steadily along the
 numbering; a causal head whose tile count is not a multiple of the rounds breaks it (1x32768
 causal put 1.5x the mean work on the busiest of 132 CTAs). ``Rounds.balanced`` therefore takes the
-CTA count, from all resident down to 7/8 of them, that loads the busiest CTA least.
+CTA count, from all resident down to 7/8 of them, that loads the busiest CTA least. Where every
+tile is the same work, ``SplitTail`` instead splits the last, partial round's tiles over all CTAs.
 """
 
 from __future__ import annotations

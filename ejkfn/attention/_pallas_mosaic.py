@@ -16,6 +16,9 @@ an H200 this took the forward from 199 to 246 TFLOP/s, and causal from 133 to 22
 With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
 warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
 refilled once both CTAs have released it (a tuner candidate: it measured even with one CTA a tile).
+Without a mask, where a last round of tiles would leave CTAs idle, its key blocks are dealt out to
+every CTA instead (``_mosaic_grid.SplitTail``) and each split tile's pieces merged after the kernel
+by their softmax sums (1-2% on an H200 where the last round idled most CTAs).
 Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its own last
 visible block and only acknowledges the rest (which its neighbour still needs), so barrier phases
 stay in step. Blocks wholly below the diagonal take an unmasked path.
