@@ -97,11 +97,11 @@ FUSED_CAUSAL_KEYS = 16384  # causal, the fused backward from this many keys (see
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
 # The last round split only for tiles of this many key blocks or more, at (padded) head dims of
-# 128 or more. On an
-# H200 (forward, against the whole last round, two runs): 2x8192x16x128 1.01-1.02x and GQA
-# 2x8192x32(8)x128 1.02-1.03x; 4x4096x16x128 (32 blocks) 0.98-1.00x, the merge's few microseconds
-# weighing on a shorter kernel; 8x2048x32x64 0.92-0.95x, where ptxas spilled 116 bytes with the
-# tail's code in the kernel and none without (results/mosaic_variants_NVIDIA_H200_20261121-233853.json).
+# 128 or more. On an H200 (forward, against the whole last round): 2x8192x16x128 1.005-1.02x, GQA
+# 2x8192x32(8)x128 1.007-1.03x, 2x16384x16x128 1.008-1.012x over three runs; 4x4096x16x128 (32
+# blocks) 0.98-1.00x, the merge weighing on a shorter kernel; 8x2048x32x64 0.92-0.95x, where ptxas
+# spilled 116 bytes with the tail's code in the kernel and none without (benchmarks/NOTES.md,
+# twelfth round).
 MIN_SPLIT_BLOCKS, MIN_SPLIT_HEAD_DIM = 64, 128
 
 
