@@ -115,6 +115,11 @@ class SplitTail:
         return self.tiles - self.tiles % self.ctas
 
     @property
+    def whole_rounds(self) -> int:
+        """Rounds of whole tiles (they come first, the pieces after them)."""
+        return self.whole // self.ctas
+
+    @property
     def rounds(self) -> Rounds:
         return Rounds(self.whole, self.ctas)
 

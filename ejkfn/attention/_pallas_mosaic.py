@@ -220,23 +220,24 @@ class _Geom:
         """How many tiles (and tail pieces) ``cluster`` runs."""
         if self.tail is None:
             return self.rounds.tiles_of(cluster)
-        return self.tail.whole // self.tail.ctas + self.tail.pieces_of(cluster)
+        return self.tail.whole_rounds + self.tail.pieces_of(cluster)
 
     def tail_piece(self, t: Any) -> Any:
         """Which of its tail pieces a CTA's ``t``-th tile is; negative for a whole tile."""
         assert self.tail is not None
-        return t - self.tail.whole // self.tail.ctas  # the whole rounds come first
+        return t - self.tail.whole_rounds
 
     def item(self, cluster: Any, t: Any) -> tuple[Any, Any, Any]:
         """(work item, first key block, end key block) of ``cluster``'s ``t``-th tile."""
         if self.tail is None:
             return self.rounds.index(cluster, t), 0, None
-        whole_rounds = self.tail.whole // self.tail.ctas
-        piece = t - whole_rounds
+        piece = self.tail_piece(t)
         index, first, stop = self.tail.piece_of(cluster, jnp.maximum(piece, 0))
         whole = piece < 0
         return (
-            jnp.where(whole, self.rounds.index(cluster, jnp.minimum(t, whole_rounds - 1)), index),
+            jnp.where(
+                whole, self.rounds.index(cluster, jnp.minimum(t, self.tail.whole_rounds - 1)), index
+            ),
             jnp.where(whole, 0, first),
             jnp.where(whole, self.tail.blocks, stop),
         )
