@@ -6,13 +6,14 @@ forward alone for the forward configurations, forward and backward for the backw
 backend's heuristic forward). Prints the ratios to ``mha`` and saves them under ``--out``.
 
     python3 benchmarks/portable_sweep_gpu.py [--shapes 2x8192x16x128,...] [--masks causal]
-        [--passes fwd,bwd] [--backends triton,pallas] [--budget SECONDS] [--out DIR]
+        [--passes fwd,bwd] [--backends triton,pallas] [--keep REGEX] [--budget SECONDS] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -25,6 +26,7 @@ from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec
 from ejkfn.attention import _pallas_gpu as pallas_triton
 from ejkfn.attention import _triton as triton
+from ejkfn.attention._backend import MIRRORED
 
 SHAPES = "2x8192x16x128,4x4096x16x128,8x2048x32x64"
 
@@ -33,17 +35,30 @@ def _f(bq: int, bk: int, w: int, s: int) -> FwdParams:
     return FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
 
 
-def _b(bq: int, bk: int, w: int, s: int) -> BwdParams:
-    return BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
+def _b(bq: int, bk: int, w: int, s: int, variant: str | None = None) -> BwdParams:
+    return BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=variant)
 
 
 FWDS = [_f(64, 64, 4, 3), _f(128, 64, 8, 3), _f(128, 64, 8, 4), _f(128, 128, 8, 2)]
 FWDS += [_f(128, 128, 8, 3), _f(128, 64, 4, 3), _f(128, 128, 4, 3), _f(64, 64, 4, 4)]
 BWDS = [_b(64, 64, 4, 2), _b(64, 64, 4, 3), _b(64, 64, 8, 2), _b(32, 64, 4, 2), _b(32, 128, 4, 2)]
 BWDS += [_b(32, 128, 8, 2), _b(64, 128, 8, 2), _b(128, 64, 8, 2), _b(64, 128, 4, 2)]
+# both backward kernels keep kv_blocksize rows and stream q_blocksize ones
+MIRRORED_BWDS = [
+    _b(bq, bk, w, st, MIRRORED)
+    for bq, bk, w in (
+        (32, 128, 4),
+        (64, 128, 8),
+        (32, 128, 8),
+        (128, 128, 8),
+        (32, 64, 4),
+        (16, 64, 4),
+    )
+    for st in (2, 3, 4)
+]
 BACKENDS = {
-    "triton": (triton, FWDS, BWDS),
-    "pallas": (pallas_triton, FWDS, BWDS),
+    "triton": (triton, FWDS, BWDS + MIRRORED_BWDS),
+    "pallas": (pallas_triton, FWDS, BWDS + MIRRORED_BWDS),
 }
 
 
@@ -61,8 +76,9 @@ def mha(case: Case) -> Any:
     )
 
 
-def configs(case: Case, name: str, backward: bool) -> dict[str, AttentionConfig]:
-    """label -> config of ``name``'s backend that fits ``case`` (its heuristic first)."""
+def configs(case: Case, name: str, backward: bool, keep: str = "") -> dict[str, AttentionConfig]:
+    """label -> config of ``name``'s backend that fits ``case`` (its heuristic first), of those
+    whose label matches the regular expression ``keep`` (the heuristic always)."""
     module, fwds, bwds = BACKENDS[name]
     spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), "bfloat16")
@@ -81,8 +97,12 @@ def configs(case: Case, name: str, backward: bool) -> dict[str, AttentionConfig]
             continue
         p = bp if backward else fp
         label = f"{name} {p.q_blocksize}x{p.kv_blocksize} w{p.num_warps} s{p.num_stages}"
+        if getattr(p, "variant", None):
+            label += f" {p.variant}"
         if (fp, bp) == (heur_f, heur_b):
             label += " (heuristic)"
+        elif not re.search(keep, label):
+            continue
         out.setdefault(label, AttentionConfig(platform=platform, variant=variant, fwd=fp, bwd=bp))
     return out
 
@@ -92,7 +112,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]], t
     for backward in [p == "bwd" for p in args.passes.split(",")]:
         fns = {"mha": mha(case)}
         for name in args.backends.split(","):
-            for label, cfg in configs(case, name, backward).items():
+            for label, cfg in configs(case, name, backward, args.keep).items():
                 fns[label] = lambda q, k, v, cfg=cfg: ejkfn.flash_attention(
                     q, k, v, causal=case.causal, cfg=cfg
                 )
@@ -123,6 +143,7 @@ def main() -> int:
         "--passes", default="fwd,bwd", help="fwd, bwd (forward and backward) or both"
     )
     parser.add_argument("--backends", default="triton,pallas")
+    parser.add_argument("--keep", default="", help="regular expression: the labels to time")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--budget", type=float, default=500.0, help="seconds; then stop checking")

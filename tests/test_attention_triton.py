@@ -18,7 +18,7 @@ import pytest
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn._triton_interpret import import_triton
 from ejkfn.attention import _triton as tri
-from ejkfn.attention._backend import AttentionShape, backend_for
+from ejkfn.attention._backend import MIRRORED, AttentionShape, backend_for
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -207,6 +207,18 @@ def test_head_dims(dim):
     _check(args, dout, spec, fp=FwdParams(q_blocksize=16, kv_blocksize=16))
 
 
+@pytest.mark.parametrize(
+    "feature", ["causal", "causal_q_shorter", "causal_k_shorter", "ragged", "window", "everything"]
+)
+def test_mirrored_backward(feature):
+    """dQ keeping kv_blocksize rows and streaming q_blocksize keys (the dK/dV kernel's blocks):
+    the same gradients, including where the two kernels' diagonal blocks fall differently."""
+    kw = dict(FEATURES[feature])
+    args, dout, spec = _case(f"mirrored-{feature}", **kw)
+    bp = BwdParams(q_blocksize=16, kv_blocksize=32, variant=MIRRORED)
+    _check(args, dout, spec, bp=bp)
+
+
 def test_heuristic_params_under_vmap():
     """The heuristic's (large) blocks shrink to short sequences; vmap runs the callback per item."""
     args, dout, spec = _case("vmap", causal=True, heads=2, batch=1)
@@ -279,6 +291,9 @@ def test_clear_errors():
         tri.fwd(wide, wide, wide, *args[3:], spec=spec, params=FP)
     with pytest.raises(ValueError, match="dropout seed"):
         tri.fwd(*args, spec=AttentionSpec(scale=1.0, dropout_prob=0.5), params=FP)
+    out, lse = tri.fwd(*args, spec=spec, params=FP)
+    with pytest.raises(ValueError, match="variant='mosaic'"):
+        tri.bwd(*args, out, lse, q, spec=spec, params=BwdParams(variant="mosaic"))
     # This process interprets; asking for compiled kernels says how to fix it.
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         import_triton(False)

@@ -15,10 +15,12 @@ from ._spec import AttentionSpec
 
 __all__ = [
     "ALGORITHM",
+    "MIRRORED",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
     "band_pairs",
+    "dq_blocks",
     "banded_tile",
     "forward_band",
     "register_backend",
@@ -53,6 +55,25 @@ class AttentionShape:
             dtype=np.dtype(q.dtype).name,
             spec=spec,
         )
+
+
+# BwdParams.variant of the portable backwards (Triton, Pallas-Triton) whose dQ kernel mirrors the
+# dK/dV kernel: each keeps kv_blocksize rows resident and streams q_blocksize blocks of the other
+# side. With the default (None) both kernels take (q_blocksize, kv_blocksize) as (query, key)
+# blocks, so a pair that suits dK/dV (a wide resident key block, narrow streamed query blocks)
+# leaves dQ with narrow resident rows.
+MIRRORED = "mirrored"
+
+
+def dq_blocks(params: BwdParams) -> tuple[int, int]:
+    """(query rows kept, key columns streamed) that ``params`` asks of a portable dQ kernel."""
+    if params.variant is None:
+        return params.q_blocksize, params.kv_blocksize
+    if params.variant == MIRRORED:
+        return params.kv_blocksize, params.q_blocksize
+    raise ValueError(
+        f"variant={params.variant!r}: the portable backwards take None or {MIRRORED!r}"
+    )
 
 
 # Causal tiles differ in work by up to the number of blocks along the sequence. Numbered one

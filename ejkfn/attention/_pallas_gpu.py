@@ -33,6 +33,7 @@ from ._backend import (
     AttentionBackend,
     AttentionShape,
     banded_tile,
+    dq_blocks,
     forward_band,
     register_backend,
     shrink_to_fit,
@@ -638,17 +639,27 @@ def bwd(
     params = params or BwdParams()
     _check(spec, bias, mask, q_seg, seed)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize)
+    gq = _geom(q, k, bias, mask, spec, *dq_blocks(params))  # the dQ kernel's blocks
     interpret = _resolve_interpret(interpret)
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that see no key have lse = -inf; +inf makes their probabilities exactly 0 in the kernels.
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
-    lse2 = _pad(lse2, 2, g.sqp, jnp.inf)
-    delta = _pad(delta, 2, g.sqp)
-    qp, dop = _pad_qkv(g, q, g.sqp), _pad_qkv(g, dout.astype(q.dtype), g.sqp)
-    kp, vp = _pad_qkv(g, k, g.skp), _pad_qkv(g, v, g.skp)
-    extras = _extras(g, bias, mask, q_seg, kv_seg, seed)
     cp = _compiler_params(params)
     group = g.group
+
+    def padded(geom: _Geom) -> list[Any]:
+        """The operands padded to ``geom``'s blocks (the two kernels' pads are one under jit when
+        their blocks pad to the same sizes)."""
+        sqp, skp = geom.sqp, geom.skp
+        return [
+            _pad_qkv(geom, q, sqp),
+            _pad_qkv(geom, k, skp),
+            _pad_qkv(geom, v, skp),
+            _pad_qkv(geom, dout.astype(q.dtype), sqp),
+            _pad(lse2, 2, sqp, jnp.inf),
+            _pad(delta, 2, sqp),
+            *_extras(geom, bias, mask, q_seg, kv_seg, seed),
+        ]
 
     # dK, dV: grid (kv block, batch * kv head); each program sums over its group's query heads.
     def bkvh(j: Any) -> tuple[Any, Any]:
@@ -677,31 +688,33 @@ def bwd(
         in_specs=[qgroup, kvblock, kvblock, qgroup, rowgroup, rowgroup, *extra_specs],
         out_specs=[kvblock, kvblock],
         out_shape=[
-            jax.ShapeDtypeStruct(kp.shape, k.dtype),
-            jax.ShapeDtypeStruct(vp.shape, v.dtype),
+            jax.ShapeDtypeStruct((g.batch, g.skp, g.kv_heads, g.dpad), k.dtype),
+            jax.ShapeDtypeStruct((g.batch, g.skp, g.kv_heads, g.dpad), v.dtype),
         ],
         compiler_params=cp,
         interpret=interpret,
         name="ejkfn_flash_bwd_dkdv",
-    )(qp, kp, vp, dop, lse2, delta, *extras)
+    )(*padded(g))
 
     # dQ (and dbias): grid (q block, batch * head).
     qspec = pl.BlockSpec(
-        (None, g.bq, None, g.dpad), lambda i, j: (_bh(g, j)[0], i, _bh(g, j)[1], 0)
+        (None, gq.bq, None, gq.dpad), lambda i, j: (_bh(gq, j)[0], i, _bh(gq, j)[1], 0)
     )
     kvspec = pl.BlockSpec(
-        (None, g.skp, None, g.dpad),
-        lambda i, j: (_bh(g, j)[0], 0, _bh(g, j)[1] // group, 0),
+        (None, gq.skp, None, gq.dpad),
+        lambda i, j: (_bh(gq, j)[0], 0, _bh(gq, j)[1] // group, 0),
     )
-    rowspec = pl.BlockSpec((None, None, g.bq), lambda i, j: (*_bh(g, j), i))
+    rowspec = pl.BlockSpec((None, None, gq.bq), lambda i, j: (*_bh(gq, j), i))
     out_specs = [qspec]
-    out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((gq.batch, gq.sqp, gq.heads, gq.dpad), q.dtype)]
     if spec.has_bias:
-        out_specs.append(pl.BlockSpec((None, None, g.bq, g.skp), lambda i, j: (*_bh(g, j), i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp, g.skp), jnp.float32))
+        out_specs.append(
+            pl.BlockSpec((None, None, gq.bq, gq.skp), lambda i, j: (*_bh(gq, j), i, 0))
+        )
+        out_shape.append(jax.ShapeDtypeStruct((gq.batch, gq.heads, gq.sqp, gq.skp), jnp.float32))
     res = pl.pallas_call(
-        functools.partial(_dq_kernel, g=g),
-        grid=(g.sqp // g.bq, g.batch * g.heads),
+        functools.partial(_dq_kernel, g=gq),
+        grid=(gq.sqp // gq.bq, gq.batch * gq.heads),
         in_specs=[
             qspec,
             kvspec,
@@ -709,14 +722,14 @@ def bwd(
             qspec,
             rowspec,
             rowspec,
-            *_extra_specs_rows(g, g.bq, lambda i: i),
+            *_extra_specs_rows(gq, gq.bq, lambda i: i),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=cp,
         interpret=interpret,
         name="ejkfn_flash_bwd_dq",
-    )(qp, kp, vp, dop, lse2, delta, *extras)
+    )(*padded(gq))
     dq = res[0][:, : g.seq_q, :, : g.head_dim]
     dbias = None
     if spec.has_bias:
@@ -759,9 +772,10 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
     if not backward:
         smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
         return smem <= _SMEM_LIMIT
-    # dK/dV keeps k, v blocks and streams q, do; dQ the reverse
+    # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(2 * p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item)
-    dq = _smem_bytes(2 * p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
+    rows, cols = dq_blocks(p)
+    dq = _smem_bytes(2 * rows, cols, dpad, p.num_stages, item)
     return max(dkdv, dq) <= _SMEM_LIMIT
 
 
@@ -778,7 +792,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
     (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. The backward's (64, 64, 4) beat every
     alternative tried, with 2 stages at D = 128 and 3 at D = 64 (forward+backward 1.03x two
-    stages, 1.02x causal).
+    stages, 1.02x causal); the mirrored dQ blocks that won for Triton ran 0.15-0.80x it here
+    (portable_sweep_NVIDIA_H200_20261122-003233), so the tuner does not try them.
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
@@ -810,6 +825,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for w in (4, 8)
         for s in (1, 2)
     ]
+
     heur = heuristic(shape)
     if _fits(shape, *heur):
         out.append(heur)

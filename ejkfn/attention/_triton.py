@@ -31,8 +31,10 @@ import numpy as np
 from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
+    MIRRORED,
     AttentionBackend,
     AttentionShape,
+    dq_blocks,
     forward_band,
     register_backend,
     shrink_to_fit,
@@ -279,6 +281,9 @@ def bwd(
     call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
+    rows, cols = dq_blocks(params)
+    dq_rows = _clamp_block(rows, call.seq_q, "dQ rows")
+    dq_cols = _clamp_block(cols, call.seq_k, "dQ columns")
     kern = _kernels(interpret)
     meta = call.meta
     dout = dout.astype(q.dtype)
@@ -304,13 +309,7 @@ def bwd(
     )
     lse = lse.astype(jnp.float32)
     common = dict(
-        **meta,
-        SDOB=meta["SQB"],
-        SDOS=meta["SQS"],
-        SDOH=meta["SQH"],
-        BLOCK_Q=block_q,
-        BLOCK_K=block_k,
-        BLOCK_D=call.block_d,
+        **meta, SDOB=meta["SQB"], SDOS=meta["SQS"], SDOH=meta["SQH"], BLOCK_D=call.block_d
     )
     has_bias = bias is not None
     dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
@@ -330,6 +329,8 @@ def bwd(
         num_stages=params.num_stages,
         interpret=interpret,
         zeroed=(2,) if has_bias else (),
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
         **common,
     )
     (dq,) = launch(
@@ -338,11 +339,13 @@ def bwd(
         dout,
         lse,
         delta,
-        grid=(_cdiv(call.seq_q, block_q), bh),
+        grid=(_cdiv(call.seq_q, dq_rows), bh),
         out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),),
         num_warps=params.num_warps,
         num_stages=params.num_stages,
         interpret=interpret,
+        BLOCK_Q=dq_rows,
+        BLOCK_K=dq_cols,
         **common,
     )
     dbias = None
@@ -375,7 +378,9 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
         smem = item * d * (bq + 2 * bk * stages)
         values = (bq * d + bq * bk) / threads
         return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
-    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * bq + 2 * bk * stages)
+    smem = item * d * (2 * bk + 2 * bq * stages)
+    if p.variant != MIRRORED:  # dQ keeps q blocks and streams k blocks
+        smem = max(smem, item * d * (2 * bq + 2 * bk * stages))
     values = max(2 * bk * d, bq * d) / threads + bq * bk / threads
     return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
@@ -385,13 +390,25 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
     # the two before it): the forward with 64 x 64, 4 warps, 3 stages was the fastest at 5 of 6
     # shapes (2x8192 and 4x4096 x16x128, 8x2048x32x64, causal and not), 1.02-1.10x the blocks before
-    # it, and 0.97x the fastest at 4x4096x16x128; the backward with 64 x 64, 4 warps, 2 stages at
-    # D = 128 and 3 stages at D = 64 (forward+backward 1.09x two stages, 1.08x causal).
+    # it, and 0.97x the fastest at 4x4096x16x128. The backward from portable_sweep_NVIDIA_H200_
+    # 20261122-002211 and -002627 (forward+backward): at D = 128 both kernels keeping 128 rows and
+    # streaming 64 with 8 warps and 3 stages (mirrored) ran 1.02-1.07x the 64 x 64, 4-warp blocks
+    # before it, causal and not; at D = 64 mirrored 64 kept and 32 streamed ran 1.05-1.06x causal,
+    # and 64 x 64 with 3 stages stayed fastest without a mask.
     d = _block_d(shape.head_dim)
-    if d <= 128:
+    if d <= 64:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        stages = 3 if d <= 64 else 2
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=stages)
+        if shape.spec.causal:
+            bp = BwdParams(
+                q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=3, variant=MIRRORED
+            )
+        else:
+            bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+    elif d <= 128:
+        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        bp = BwdParams(
+            q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
+        )
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
@@ -416,6 +433,12 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bq, bk in ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (128, 128))
         for w in (4, 8)
         for s in (1, 2, 3)
+    ]
+    bwds += [
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=MIRRORED)
+        for bq, bk in ((32, 64), (32, 128), (64, 128))
+        for w in (4, 8)
+        for s in (3, 4)
     ]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
