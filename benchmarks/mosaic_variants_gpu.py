@@ -105,6 +105,7 @@ def implementations(
     unbalanced: bool = False,
     others: dict[str, ModuleType] | None = None,
     whole_tail: bool = False,
+    four_memory_warps: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -165,6 +166,14 @@ def implementations(
                 )[0]
 
             impls["mosaic, last round whole"] = jax.jit(whole)
+        if four_memory_warps:  # every warp of the memory warpgroup runs its loop, as before
+
+            def four(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, one_memory_warp=False
+                )[0]
+
+            impls["mosaic, four memory warps"] = jax.jit(four)
         return impls
     on_gpu = jax.default_backend() == "gpu"
 
@@ -247,6 +256,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.unbalanced,
             other_backwards(args.other_bwd),
             args.whole_tail,
+            args.four_memory_warps,
         )
         for row in check_then_time(
             case,
@@ -313,6 +323,11 @@ def main() -> int:
         "--whole-tail",
         action="store_true",
         help="also the forward with its last round's tiles whole (no SplitTail)",
+    )
+    parser.add_argument(
+        "--four-memory-warps",
+        action="store_true",
+        help="also the forward with every warp of its memory warpgroup running the copy loop",
     )
     parser.add_argument(
         "--other-bwd",

@@ -227,14 +227,32 @@ def split_index(
     return tile_div(pair, heads), tile_rem(pair, heads), rank
 
 
-def feed_ring(slots: int, tiles: Any, tile: Any, fetch: Any, releases: tuple[Any, ...]) -> None:
+def feed_ring(
+    slots: int,
+    tiles: Any,
+    tile: Any,
+    fetch: Any,
+    releases: tuple[Any, ...],
+    one_warp: bool = True,
+) -> None:
     """The memory warpgroup's loop over its CTA's ``tiles``, one stream of ring items across them.
 
     ``tile(t)`` gives tile ``t``'s item count and coordinates; ``fetch(coords, i, slot)`` gives the
     copies of its ``i``-th item into ``slot``, one per barrier of ``releases`` (the consumers'
     arrivals on it free that part of the slot). Each copy into a used slot first waits for its part's
     release; at the end every last release is waited on too, so no barrier phase is left pending.
+
+    With ``one_warp`` a single warp runs the loop and the warpgroup's other three wait at its end,
+    issuing nothing: fewer warps polling barriers beside the compute warps on each scheduler, and
+    no warpgroup barrier before each copy.
     """
+    if one_warp:
+        plgpu.warp_map(
+            lambda warp: pl.when(warp == 0)(
+                lambda: feed_ring(slots, tiles, tile, fetch, releases, one_warp=False)
+            )
+        )
+        return
 
     def slot_of(n: Any) -> Any:
         return lax.rem(n, jnp.int32(slots))

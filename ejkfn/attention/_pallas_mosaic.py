@@ -158,6 +158,7 @@ class _Geom:
     cluster: int = 1  # CTAs on neighbouring query tiles that share each K/V copy (multicast)
     balanced: bool = True  # the persistent grid's CTA count chosen for its busiest CTA's work
     split_tail: bool = True  # tiles of equal work: the last round's spread over every CTA
+    one_memory_warp: bool = True  # the memory warpgroup's other three warps idle at its end
 
     @property
     def offset(self) -> int:
@@ -458,7 +459,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                 ),
             )
 
-        feed_ring(slots, my_tiles, items, fetch, (k_used, v_used))
+        feed_ring(slots, my_tiles, items, fetch, (k_used, v_used), g.one_memory_warp)
 
 
 def _interpreting(interpret: bool | None) -> bool:
@@ -503,6 +504,7 @@ def _forward(
     along_sequence: bool | None = None,
     balanced: bool = True,
     split_tail: bool = True,
+    one_memory_warp: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     _refuse(spec, q, k)
     batch, seq_q, heads, head_dim = q.shape
@@ -538,6 +540,7 @@ def _forward(
         cluster=cluster,
         balanced=balanced,
         split_tail=split_tail,
+        one_memory_warp=one_memory_warp,
     )
 
     def pad(x: Any, seq: int) -> Any:

@@ -106,6 +106,7 @@ _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
+ONE_MEMORY_WARP = True  # one warp of it runs the copy loop (_mosaic_grid.feed_ring)
 
 
 def _compute_registers(compute_wgs: int) -> int:
@@ -551,7 +552,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
             return (copy,)
 
-        feed_ring(slots, my_tiles, items, fetch, (consumed,))
+        feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
 
 
 def _dq_kernel(
@@ -663,7 +664,7 @@ def _dq_kernel(
             coords = tile(t)
             return coords[3], coords
 
-        feed_ring(slots, my_tiles, items, fetch, (consumed,))
+        feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
 
 
 LONG_CAUSAL = 16384  # causal sequences from here on take tiles along the sequence
