@@ -635,7 +635,9 @@ def bwd(
     params: BwdParams | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Backward pass: ``(dq, dk, dv, dbias)``; dbias is shaped like ``bias`` (None without one)."""
+    """Backward pass: ``(dq, dk, dv, dbias)``; dbias is shaped like ``bias`` (None without one).
+    ``params.variant="mirrored"`` gives the dQ kernel the dK/dV kernel's blocks turned around
+    (:func:`._backend.dq_blocks`)."""
     params = params or BwdParams()
     _check(spec, bias, mask, q_seg, seed)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize)

@@ -5,7 +5,9 @@ causal and window limits leave visible, writing the output and the log-sum-exp. 
 (FlashAttention 2, no atomics): a preprocess kernel computes ``delta = rowsum(dout * out)``; a dK/dV
 kernel (one program per (kv block, batch * kv head)) loops over the query heads of its GQA group and
 their visible q blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when
-there is a bias; a dQ kernel (one program per (q block, batch * head)) loops over key blocks.
+there is a bias; a dQ kernel (one program per (q block, batch * head)) loops over key blocks. With
+``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
+(:func:`._backend.dq_blocks`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
 head dims that are not powers of two are handled by masked loads and stores. Every feature of
