@@ -382,6 +382,25 @@ def test_mosaic_forward_in_gpu_interpreter(case, q_rows):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
 
 
+def test_mosaic_forward_copy_loop_on_one_warp_or_four():
+    """The ring's copy loop run by one warp of the memory warpgroup (the default) or by all four
+    gives the same numbers (in the interpreter, which runs both paths of the copies' arrivals)."""
+    case = Case(seq_q=128, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True)
+    x = _inputs(case, 3)
+    params = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
+    one, four = (
+        _pallas_mosaic._forward(
+            x["q"], x["k"], x["v"], spec=case.spec, params=params, interpret=True,
+            one_memory_warp=one_warp,
+        )
+        for one_warp in (True, False)
+    )  # fmt: skip
+    for a, b in zip(one, four, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want, _ = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(one[0], want) < TOL[case.dtype]
+
+
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_mosaic_lowers_for_cuda(name):
     text = _lower(_pallas_mosaic, MOSAIC_CASES[name], H100, "cuda")
