@@ -817,6 +817,7 @@ def test_mosaic_backward_refuses():
     with pytest.raises(NotImplementedError, match="head_dim=256"):
         bwd(_mosaic_bwd())
     bwd(BwdParams(q_blocksize=32, kv_blocksize=32))  # the Triton-lowering backward takes it
+    bwd(BwdParams(q_blocksize=16, kv_blocksize=32, variant=MIRRORED))  # and its mirrored dQ
     with pytest.raises(ValueError, match="variant"):
         bwd(BwdParams(variant="cuda"))
     # The fused backward's one shape: head dim padded to 128, 64 query by 128 key rows.

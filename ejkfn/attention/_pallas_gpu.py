@@ -827,7 +827,6 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for w in (4, 8)
         for s in (1, 2)
     ]
-
     heur = heuristic(shape)
     if _fits(shape, *heur):
         out.append(heur)

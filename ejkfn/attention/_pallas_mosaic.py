@@ -58,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import MIRRORED, AttentionBackend, AttentionShape, register_backend
 from ._mosaic_grid import (
     HOPPER_SMEM_BYTES,
     Rounds,
@@ -662,8 +662,8 @@ def bwd(
 
     ``params.variant`` ``"mosaic"`` (dK/dV and dQ kernels) or ``"mosaic_fused"`` (one kernel, dQ
     added by TMA reduce-add) runs the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
-    (``NotImplementedError`` for head dims above 128); ``None`` the Triton-lowering ones of
-    :mod:`._pallas_gpu`.
+    (``NotImplementedError`` for head dims above 128); ``None`` (or ``"mirrored"``) the
+    Triton-lowering ones of :mod:`._pallas_gpu`.
     """
     _refuse(spec, q, k)
     params = params or heuristic(AttentionShape.of(q, k, spec))[1]
@@ -672,10 +672,10 @@ def bwd(
             q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
         )
         return dq, dk, dv, None
-    if params.variant is not None:
+    if params.variant not in (None, MIRRORED):
         raise ValueError(
             f"BwdParams.variant={params.variant!r} must be one of "
-            f"{_pallas_mosaic_bwd.VARIANTS} or None"
+            f"{(*_pallas_mosaic_bwd.VARIANTS, MIRRORED)} or None"
         )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,
