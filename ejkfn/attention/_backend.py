@@ -23,6 +23,7 @@ __all__ = [
     "banded_tile",
     "dq_blocks",
     "forward_band",
+    "on_host",
     "register_backend",
     "shrink_to_fit",
 ]
@@ -116,15 +117,21 @@ def forward_band(shape: AttentionShape, q_blocks: int) -> int:
     return band_pairs(shape.batch * shape.heads, q_blocks, shape.spec.causal, stream)
 
 
+def on_host(x: Any) -> bool:
+    """Whether ``x`` is a numpy value (a grid schedule planned on the host) rather than a scalar
+    traced inside a kernel; the grid's arithmetic serves both."""
+    return isinstance(x, (np.ndarray, np.generic))
+
+
 def tile_div(a: Any, b: Any) -> Any:
     """``a // b`` of non-negative ints: ``lax.div`` inside kernels (truncating, no floor fix-up),
-    numpy's on numpy arrays (grid schedules planned on the host)."""
-    return a // b if isinstance(a, (np.ndarray, np.generic)) else lax.div(a, b)
+    numpy's on the host (:func:`on_host`)."""
+    return a // b if on_host(a) else lax.div(a, b)
 
 
 def tile_rem(a: Any, b: Any) -> Any:
     """``a % b`` of non-negative ints, as :func:`tile_div` divides."""
-    return a % b if isinstance(a, (np.ndarray, np.generic)) else lax.rem(a, b)
+    return a % b if on_host(a) else lax.rem(a, b)
 
 
 def banded_tile(index: Any, blocks: int, band: int) -> tuple[Any, Any]:

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ._backend import banded_tile, tile_div, tile_rem
+from ._backend import banded_tile, on_host, tile_div, tile_rem
 
 _HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
 HOPPER_SMEM_BYTES = 232448  # shared memory one CTA may take on an H100 or H200 (227 KiB)
@@ -125,7 +125,7 @@ class SplitTail:
 
     def _run(self, cta: Any) -> tuple[Any, Any]:
         """``cta``'s run of the tail, as key blocks counted from the first tail tile's first."""
-        xp = np if isinstance(cta, (np.ndarray, np.generic, int)) else jnp
+        xp = np if on_host(cta) else jnp
         units = (self.tiles - self.whole) * self.blocks
         start = xp.minimum(cta * self.piece, units)
         return start, xp.minimum(start + self.piece, units)
@@ -133,14 +133,14 @@ class SplitTail:
     def pieces_of(self, cta: Any) -> Any:
         """How many tail pieces ``cta`` runs: 0, 1 or 2."""
         start, stop = self._run(cta)
-        xp = np if isinstance(start, (np.ndarray, np.generic)) else jnp
+        xp = np if on_host(cta) else jnp
         first, last = tile_div(start, self.blocks), tile_div(stop - 1, self.blocks)
         return xp.where(stop > start, last - first + 1, 0)
 
     def piece_of(self, cta: Any, p: Any) -> tuple[Any, Any, Any]:
         """(work item, first key block, end key block) of ``cta``'s ``p``-th tail piece."""
         start, stop = self._run(cta)
-        xp = np if isinstance(start, (np.ndarray, np.generic)) else jnp
+        xp = np if on_host(cta) else jnp
         tile = tile_div(start, self.blocks) + p
         first = tile * self.blocks
         return (
@@ -183,7 +183,7 @@ def key_blocks(last_row: Any, seq_k: int, offset: int, block: int, causal: bool)
     """Key blocks (of ``block`` keys) that query rows up to ``last_row`` see; causal rows see keys
     up to their own plus ``offset`` (``seq_k - seq_q``: bottom-right aligned). Inside a kernel, or
     on numpy arrays (the grid planned on the host)."""
-    xp = np if isinstance(last_row, np.ndarray) else jnp
+    xp = np if on_host(last_row) else jnp
     last = xp.int32(seq_k - 1)
     if causal:
         last = xp.minimum(last, last_row + offset)
