@@ -493,6 +493,23 @@ def test_mosaic_backward_in_gpu_interpreter(name):
     _check(_pallas_mosaic, case, MOSAIC_FWD, bp)
 
 
+def test_mosaic_backward_cases_cover_both_dv_orders():
+    """The cases above run the dK/dV step both ways: dV's product issued before dS^T is formed (64-row
+    blocks) and with dK's (128-row blocks at head dim 64 and 128, where registers are short)."""
+    orders = {}
+    for name, (case, bp) in MOSAIC_BWD_CASES.items():
+        if bp.variant is None:
+            continue
+        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        orders[name] = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).early_dv
+    assert orders == {
+        "causal_gqa_ragged_d64": True,
+        "gqa_d128_q128_ragged": False,
+        "causal_q_longer_d80": True,
+        "causal_k_longer_batch2": False,
+    }
+
+
 # The fused backward (each warpgroup adds its half of every dQ block into a float32 accumulator; in
 # the interpreter by read-modify-write, on the GPU by TMA reduce-add): both halves over both
 # warpgroups' keys, several key tiles and GQA heads adding into one accumulator, causal blocks one

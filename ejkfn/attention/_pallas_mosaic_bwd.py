@@ -6,12 +6,14 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 * dK/dV: one CTA per (key tile, kv head, batch). Each compute warpgroup keeps 64 key rows of K and V
   in shared memory (``kv_blocksize`` 64 or 128: one or two warpgroups); a memory warpgroup streams
   blocks of ``q_blocksize`` query rows (Q, dO, lse, delta) with TMA through a ring of
-  ``num_stages`` slots. Per block a warpgroup issues S^T = K Q^T and dP^T = V dO^T together (one
-  wait), forms P^T and dS^T = P^T (dP^T - delta) in registers, then dV += P^T dO and dK += dS^T Q.
+  ``num_stages`` slots. Per block a warpgroup issues S^T = K Q^T and dP^T = V dO^T together, forms
+  P^T while dP^T is still on the tensor cores, issues dV += P^T dO (where registers allow) while it
+  forms dS^T = P^T (dP^T - delta), then dK += dS^T Q.
   The query heads of a GQA group follow one another in the same stream, so the group's sum stays in
   the accumulators.
 * dQ: tiles of (128 query rows, head, batch); two compute warpgroups of 64 rows hold Q and dO,
-  the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K.
+  the memory warpgroup streams K and V blocks of ``kv_blocksize`` rows; dQ += dS K, P formed while
+  dP is on the tensor cores.
 
 Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_grid` (its ring and
 barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
@@ -206,6 +208,17 @@ class _Geom:
         return self.seq_k - self.seq_q
 
     @property
+    def early_dv(self) -> bool:
+        """Whether the dK/dV kernel issues a block's dV product before forming its dS^T (so the
+        product runs beside that elementwise work). That holds P^T's 16-bit registers in flight beside
+        S^T, dP^T and delta: per thread dK and dV (``dpad``) and 3/2 a query column of the block, 224
+        at head dim 128 with 64-row blocks. Beyond that (head dim 64 with 128-row blocks: 256) it
+        spilled and ran 0.77-0.85x cuDNN forward+backward at 8x2048x32x64 instead of 1.01-1.03x; the
+        fused kernel, whose dQ product takes 32 registers more, ran 0.88-0.93x instead of 0.94-1.00x
+        (H200, benchmarks/NOTES.md, fourteenth round). Both issue dV with dK there."""
+        return not self.fused and self.dpad + 3 * self.bq // 2 <= 224
+
+    @property
     def key_rows(self) -> int:
         return self.key_wgs * WG_ROWS
 
@@ -302,51 +315,50 @@ def _iota(shape: tuple[int, int], dim: int) -> Any:
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _products(shape: tuple[int, int], *pairs: tuple[Any, Any]) -> tuple[Any, ...]:
-    """``a @ b`` of each pair (shared memory operands), issued together, awaited once."""
-
-    def issue(*accs: Any) -> tuple[Any, ...]:
-        for acc, (a, b) in zip(accs, pairs, strict=True):
-            plgpu.wgmma(acc, a, b)
-        return tuple(acc[...] for acc in accs)
-
-    return pl.run_scoped(issue, *[plgpu.ACC(shape, jnp.float32)] * len(pairs))
-
-
-def _accumulate(
-    g: _Geom, accs: tuple[Any, ...], lhs: tuple[Any, ...], rhs: tuple[Any, ...], staging: Any
+def _pipelined(
+    g: _Geom,
+    body: Callable[[tuple[Any, ...]], None],
+    carried: tuple[Any, ...],
+    fresh: tuple[tuple[int, int], ...],
 ) -> tuple[Any, ...]:
-    """``accs[i] += lhs[i] @ rhs[i]``: ``lhs`` in registers, ``rhs`` in shared memory.
+    """Runs ``body(refs)``, which issues wgmma products onto accumulator refs: one per ``carried``
+    value, starting from it, then one per ``fresh`` shape, starting from zero. Returns every
+    accumulator's final value.
 
-    On the GPU the left operands go to wgmma from registers, onto the accumulators themselves. The
-    interpreter takes operands only from shared memory: there each left operand is stored to
-    ``staging[i]`` and the products are added in registers.
+    The body reads an accumulator while later products are still in flight
+    (``plgpu.wgmma_accumulator_load(ref, wait_n=n)``; products complete in the order issued), so its
+    elementwise work runs while the tensor cores work on its own later products.
+
+    On the GPU: one ``pl.run_state``. The interpreter runs no accumulators through ``pl.run_state``:
+    there every accumulator starts from zero in ``pl.run_scoped`` and the carried values are added
+    afterwards.
     """
     if g.registers_a:
+        inits = [plgpu.ACC.init(c) for c in carried] + [plgpu.ACC.init(_acc(*f)) for f in fresh]
+        return tuple(pl.run_state(body)(tuple(inits)))
 
-        def run(refs: Any) -> None:
-            for acc_ref, a, b in zip(refs, lhs, rhs, strict=True):
-                plgpu.wgmma(acc_ref, a, b)
-
-        return tuple(pl.run_state(run)(tuple(plgpu.ACC.init(a) for a in accs)))
-    for i, a in enumerate(lhs):
-        staging[i][...] = a
-    plgpu.commit_smem()
-
-    def products(*refs: Any) -> tuple[Any, ...]:
-        for i, (acc_ref, b) in enumerate(zip(refs, rhs, strict=True)):
-            plgpu.wgmma(acc_ref, staging[i], b)
+    def scoped(*refs: Any) -> tuple[Any, ...]:
+        body(refs)
         return tuple(r[...] for r in refs)
 
-    shapes = [plgpu.ACC(a.shape, jnp.float32) for a in accs]
-    return tuple(a + p for a, p in zip(accs, pl.run_scoped(products, *shapes), strict=True))
+    shapes = [c.shape for c in carried] + list(fresh)
+    outs = pl.run_scoped(scoped, *[plgpu.ACC(sh, jnp.float32) for sh in shapes])
+    return tuple(c + o for c, o in zip(carried, outs, strict=False)) + tuple(outs[len(carried) :])
 
 
-def _p_and_ds(s: Any, dp: Any, lse: Any, delta: Any, axis: int) -> tuple[Any, Any]:
-    """P = 2^(S - lse) of a tile of scaled (base-2) scores and dS = P (dP - delta), with ``lse``
-    and ``delta``, vectors over the query rows, broadcast along the tile's ``axis`` of them."""
-    p = jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [axis]))
-    return p, p * (dp - lax.broadcast_in_dim(delta, dp.shape, [axis]))
+def _operand(g: _Geom, value: Any, staging: Any) -> Any:
+    """A wgmma left operand: ``value`` itself from registers on the GPU; the interpreter takes
+    operands only from shared memory, so there it is stored to ``staging`` first."""
+    if g.registers_a:
+        return value
+    staging[...] = value
+    plgpu.commit_smem()
+    return staging
+
+
+def _spread(vector: Any, shape: tuple[int, int], axis: int) -> Any:
+    """A vector over a tile's query rows, broadcast along the tile's ``axis`` of them."""
+    return lax.broadcast_in_dim(vector, shape, [axis])
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
@@ -398,82 +410,79 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_wait(v_ready.at[wg])
             shape = (WG_ROWS, bq)
 
-            def scores(slot: Any, qb: Any, masked: bool) -> tuple[Any, Any]:
-                """P^T and dS^T (16-bit) of this warpgroup's keys and query block ``qb``."""
-                q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
-                plgpu.barrier_wait(block_ready.at[slot])
+            def scaled(s_t: Any, qb: Any, masked: bool) -> Any:
+                s_t = s_t * (g.scale * LOG2E)
+                if masked:
+                    key = _iota(shape, 0) + key_base
+                    row = _iota(shape, 1) + qb * bq
+                    s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
+                return s_t
 
-                def scaled(s_t: Any) -> Any:
-                    s_t = s_t * (g.scale * LOG2E)
-                    if masked:
-                        key = _iota(shape, 0) + key_base
-                        row = _iota(shape, 1) + qb * bq
-                        s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
-                    return s_t
-
-                def row_vector(ring: Any) -> Any:
-                    return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-
-                s_t, dp_t = _products(
-                    shape, (k_own, q_blk.transpose((1, 0))), (v_own, do_blk.transpose((1, 0)))
-                )
-                s_t = scaled(s_t)
-                lse = row_vector(lse_ring)
-                delta = row_vector(delta_ring)
-                p_t, ds_t = _p_and_ds(s_t, dp_t, lse, delta, axis=1)  # queries along columns
-                return p_t.astype(dtype), ds_t.astype(dtype)
+            def row_vector(ring: Any, slot: Any) -> Any:
+                return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
 
             def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
-                dk, dv = carry
-                slot = lax.rem(base + qb, jnp.int32(slots))
-                p_t, ds_t = scores(slot, qb, masked)
-                own_staging = () if g.registers_a else (p_stage.at[wg], ds_stage.at[wg])
-                dv, dk = _accumulate(
-                    g, (dv, dk), (p_t, ds_t), (do_ring.at[slot], q_ring.at[slot]), own_staging
-                )
-                plgpu.barrier_arrive(consumed.at[slot])
-                return dk, dv
-
-            def fused_step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
-                # dV and dK as in ``step``, and this warpgroup's half of the block's dQ = dS K (its
-                # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory),
-                # the three products in flight together; the half then goes out by TMA reduce-add.
+                # FlashAttention 3's order within a block: S^T = K Q^T and dP^T = V dO^T issued
+                # together, P^T formed while dP^T is still on the tensor cores, dV += P^T dO issued
+                # before dS^T is formed where registers allow (_Geom.early_dv), dK += dS^T Q after
+                # it. The fused kernel then adds this
+                # warpgroup's half of the block's dQ = dS K (its head-dim columns, over both
+                # warpgroups' keys: dS^T goes through shared memory) and sends it out by TMA
+                # reduce-add.
                 dk, dv = carry
                 t = base + qb
                 slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
-                p_t, ds_t = scores(slot, qb, masked)
-                ds_stage.at[buf, wg][...] = ds_t
-                if not g.registers_a:
-                    p_stage.at[wg][...] = p_t
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_stored.at[buf])
+                q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
                 cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
+                plgpu.barrier_wait(block_ready.at[slot])
 
-                def products(refs: Any) -> None:
-                    dv_ref, dk_ref, dq_ref = refs
-                    # dK's dS^T from shared memory, where it is anyway: fewer registers held in flight
-                    # (P^T from there too measured slower and spilled more).
-                    plgpu.wgmma(dv_ref, p_t if g.registers_a else p_stage.at[wg], do_ring.at[slot])
-                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_ring.at[slot])
+                def block(refs: Any) -> None:
+                    dv_ref, dk_ref, s_ref, dp_ref, *spare = refs
+                    plgpu.wgmma(s_ref, k_own, q_blk.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, v_own, do_blk.transpose((1, 0)))
+                    lse = row_vector(lse_ring, slot)
+                    s_t = scaled(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, masked)
+                    p_t = jnp.exp2(s_t - _spread(lse, shape, 1))  # queries along columns
+                    p_stage_own = None if g.registers_a else p_stage.at[wg]
+
+                    def dv_product() -> None:
+                        plgpu.wgmma(dv_ref, _operand(g, p_t.astype(dtype), p_stage_own), do_blk)
+
+                    if g.early_dv:
+                        dv_product()
+                    delta = row_vector(delta_ring, slot)
+                    dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=int(g.early_dv))
+                    ds_t = (p_t * (dp_t - _spread(delta, shape, 1))).astype(dtype)
+                    if not g.fused:
+                        if not g.early_dv:
+                            dv_product()
+                        ds_stage_own = None if g.registers_a else ds_stage.at[wg]
+                        plgpu.wgmma(dk_ref, _operand(g, ds_t, ds_stage_own), q_blk)
+                        return
+                    # dK's dS^T from shared memory, where it is anyway: fewer registers held in
+                    # flight (P^T from there too measured slower and spilled more).
+                    ds_stage.at[buf, wg][...] = ds_t
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(ds_stored.at[buf])
+                    if not g.early_dv:
+                        dv_product()
+                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_blk)
+                    if g.registers_a:  # S^T's registers take dQ: S^T is spent
+                        s_ref[...] = _acc(bq, g.dpad // 2)
+                        dq_ref = s_ref
+                    else:  # the interpreter stores no accumulators: its own zeroed one
+                        (dq_ref,) = spare
                     plgpu.barrier_wait(ds_stored.at[buf])  # the other half of dS^T is stored
                     for w in range(g.key_wgs):
                         ds = ds_stage.at[buf, w].transpose((1, 0))
                         plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
 
-                dq0 = _acc(bq, g.dpad // 2)
-                if g.registers_a:  # onto the accumulators themselves
-                    accs = tuple(plgpu.ACC.init(x) for x in (dv, dk, dq0))
-                    dv_new, dk_new, dq = pl.run_state(products)(accs)
-                else:  # the interpreter: no run_state with accumulators; add afterwards
-
-                    def scoped(*refs: Any) -> tuple[Any, ...]:
-                        products(refs)
-                        return tuple(r[...] for r in refs)
-
-                    shapes = [plgpu.ACC(x.shape, jnp.float32) for x in (dv, dk, dq0)]
-                    dv_new, dk_new, dq = pl.run_scoped(scoped, *shapes)
-                    dv_new, dk_new = dv + dv_new, dk + dk_new
+                spare = () if g.registers_a or not g.fused else ((bq, g.dpad // 2),)
+                dv, dk, s_or_dq, _, *rest = _pipelined(g, block, (dv, dk), (shape, shape, *spare))
                 plgpu.barrier_arrive(consumed.at[slot])
+                if not g.fused:
+                    return dk, dv
+                dq = s_or_dq if g.registers_a else rest[0]
                 dq_own = dq_stage.at[wg]
                 dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
                 if g.tma_reduce:
@@ -491,7 +500,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dq_own, dst)
                     plgpu.wait_smem_to_gmem(0)
-                return dk_new, dv_new
+                return dk, dv
 
             def acknowledge(qb: Any, carry: Any, base: Any) -> Any:
                 # A block only the neighbour needs: wait for its copies (keeping barrier phases in step)
@@ -501,15 +510,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 plgpu.barrier_arrive(consumed.at[slot])
                 return carry
 
-            body = fused_step if g.fused else step
-
             def head(i: Any, carry: Any) -> Any:
                 base = start + i * per_head - first  # stream position of this head's block 0
                 h = kvh * g.group + i
                 lax.fori_loop(first, own_first, functools.partial(acknowledge, base=base), None)
-                masked = functools.partial(body, base=base, h=h, masked=True)
+                masked = functools.partial(step, base=base, h=h, masked=True)
                 carry = lax.fori_loop(own_first, own_full, masked, carry)
-                unmasked = functools.partial(body, base=base, h=h, masked=False)
+                unmasked = functools.partial(step, base=base, h=h, masked=False)
                 return lax.fori_loop(own_full, g.q_blocks, unmasked, carry)
 
             zero = _acc(WG_ROWS, g.dpad)
@@ -607,19 +614,26 @@ def _dq_kernel(
                 slot = lax.rem(start + kv, jnp.int32(slots))
                 k_blk, v_blk = k_ring.at[slot], v_ring.at[slot]
                 plgpu.barrier_wait(block_ready.at[slot])
-                s, dp = _products(
-                    shape, (q_own, k_blk.transpose((1, 0))), (do_own, v_blk.transpose((1, 0)))
-                )
-                s = s * (g.scale * LOG2E)
-                if masked:
-                    key = _iota(shape, 1) + kv * bk
-                    ok = key < g.seq_k
-                    if g.causal:
-                        ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
-                    s = jnp.where(ok, s, -jnp.inf)
-                _, ds = _p_and_ds(s, dp, lse, delta, axis=0)  # queries along rows
-                own_staging = tuple(s_.at[wg] for s_ in staging)
-                (dq,) = _accumulate(g, (dq,), (ds.astype(dtype),), (k_blk,), own_staging)
+
+                def block(refs: Any) -> None:
+                    # As the dK/dV kernel's: P formed while dP is still on the tensor cores.
+                    dq_ref, s_ref, dp_ref = refs
+                    plgpu.wgmma(s_ref, q_own, k_blk.transpose((1, 0)))
+                    plgpu.wgmma(dp_ref, do_own, v_blk.transpose((1, 0)))
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * (g.scale * LOG2E)
+                    if masked:
+                        key = _iota(shape, 1) + kv * bk
+                        ok = key < g.seq_k
+                        if g.causal:
+                            ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
+                        s = jnp.where(ok, s, -jnp.inf)
+                    p = jnp.exp2(s - _spread(lse, shape, 0))  # queries along rows
+                    dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+                    ds = (p * (dp - _spread(delta, shape, 0))).astype(dtype)
+                    staging_own = None if g.registers_a else staging[0].at[wg]
+                    plgpu.wgmma(dq_ref, _operand(g, ds, staging_own), k_blk)
+
+                dq, _, _ = _pipelined(g, block, (dq,), (shape, shape))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dq
 
