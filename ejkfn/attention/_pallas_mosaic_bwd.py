@@ -343,7 +343,8 @@ def _pipelined(
 
     shapes = [c.shape for c in carried] + list(fresh)
     outs = pl.run_scoped(scoped, *[plgpu.ACC(sh, jnp.float32) for sh in shapes])
-    return tuple(c + o for c, o in zip(carried, outs, strict=False)) + tuple(outs[len(carried) :])
+    n = len(carried)
+    return tuple(c + o for c, o in zip(carried, outs[:n], strict=True)) + tuple(outs[n:])
 
 
 def _operand(g: _Geom, value: Any, staging: Any) -> Any:
@@ -425,10 +426,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 # FlashAttention 3's order within a block: S^T = K Q^T and dP^T = V dO^T issued
                 # together, P^T formed while dP^T is still on the tensor cores, dV += P^T dO issued
                 # before dS^T is formed where registers allow (_Geom.early_dv), dK += dS^T Q after
-                # it. The fused kernel then adds this
-                # warpgroup's half of the block's dQ = dS K (its head-dim columns, over both
-                # warpgroups' keys: dS^T goes through shared memory) and sends it out by TMA
-                # reduce-add.
+                # it. The fused kernel then adds this warpgroup's half of the block's dQ = dS K (its
+                # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory)
+                # and sends it out by TMA reduce-add.
                 dk, dv = carry
                 t = base + qb
                 slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
