@@ -203,6 +203,10 @@ class Tuner:
         min_batch_seconds: a candidate's timed batch runs at least this long (more calls than its
             share of ``iters`` where its calls are short; needs ``warmup >= 1``).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
+        runoff: candidates within this fraction of the fastest (0.03: 3%) are timed again, among
+            themselves, with ``runoff_iters`` calls each, and chosen on those times: where two are
+            within a reading's noise of each other, more calls decide (0: no runoff).
+        runoff_iters: timed calls of each runoff candidate (``None``: twice ``iters``).
         compile_threads: threads compiling candidates ahead of timing (``None``: up to the CPU count).
         progress: show a progress bar; ``None`` shows one only on tunes that take more than 2 s.
         seed: for the random inputs.
@@ -216,6 +220,8 @@ class Tuner:
     rounds: int = 3
     min_batch_seconds: float = 0.01
     max_seconds_per_call: float | None = None
+    runoff: float = 0.0
+    runoff_iters: int | None = None
     compile_threads: int | None = None
     progress: bool | None = None
     seed: int = 0
@@ -229,14 +235,20 @@ class Tuner:
             raise ValueError(f"rounds must be >= 1; got {self.rounds=}")
         if not self.min_batch_seconds >= 0:
             raise ValueError(f"min_batch_seconds must be >= 0; got {self.min_batch_seconds=}")
+        if not 0 <= self.runoff < float("inf"):
+            raise ValueError(f"runoff must be a fraction >= 0; got {self.runoff=}")
+        if self.runoff_iters is not None and self.runoff_iters < 1:
+            raise ValueError(f"runoff_iters must be >= 1 or None; got {self.runoff_iters=}")
 
-    def timings[K](self, fns: Mapping[K, Callable[[], Any]]) -> dict[K, float | Exception]:
-        """Median seconds per call of each of ``fns`` over the interleaved rounds, or the exception
-        it raised."""
+    def timings[K](
+        self, fns: Mapping[K, Callable[[], Any]], *, calls: int | None = None
+    ) -> dict[K, float | Exception]:
+        """Median seconds per call of each of ``fns`` over the interleaved rounds (``calls`` timed
+        calls each, by default ``iters``), or the exception it raised."""
         readings = interleaved_seconds(
             fns,
             warmup=self.warmup,
-            calls=self.iters,
+            calls=self.iters if calls is None else calls,
             rounds=self.rounds,
             bound=self.max_seconds_per_call,
             seed=self.seed,
@@ -246,6 +258,21 @@ class Tuner:
             key: r if isinstance(r, Exception) else statistics.median(r)
             for key, r in readings.items()
         }
+
+    def runoff_timings[K](
+        self, fns: Mapping[K, Callable[[], Any]], seconds: Mapping[K, float | Exception]
+    ) -> dict[K, float | Exception]:
+        """The runoff (see ``runoff``): new times of those of ``fns`` whose ``seconds`` are within
+        ``runoff`` of the fastest, timed among themselves; empty where fewer than two are."""
+        ok = {k: s for k, s in seconds.items() if not isinstance(s, Exception)}
+        if self.runoff <= 0 or len(ok) < 2:
+            return {}
+        fastest = min(ok.values())
+        close = [k for k, s in ok.items() if s <= fastest * (1 + self.runoff)]
+        if len(close) < 2:
+            return {}
+        calls = self.runoff_iters if self.runoff_iters is not None else 2 * self.iters
+        return self.timings({k: fns[k] for k in close}, calls=calls)
 
     def measure(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> float:
         """Median seconds of ``fn(*args, **kwargs)`` after warm-up (``fn`` is called as given)."""
@@ -300,7 +327,15 @@ class Tuner:
                 except Exception as exc:
                     results[i] = CandidateResult(candidates[i], error=_short(exc), phase="compile")
                 bar.update(1)
-        timed = self.timings({i: functools.partial(compiled[i], dynamic) for i in sorted(compiled)})
+        fns = {i: functools.partial(compiled[i], dynamic) for i in sorted(compiled)}
+        timed = self.timings(fns)
+        runoff = self.runoff_timings(fns, timed)
+        if runoff:
+            notes.append(
+                f"runoff: {len(runoff)} candidates within {self.runoff:.0%} of the fastest timed "
+                "again among themselves; their times are the runoff's"
+            )
+        timed.update(runoff)
         for i, seconds in timed.items():
             if isinstance(seconds, Exception):
                 results[i] = CandidateResult(candidates[i], error=_short(seconds), phase="run")

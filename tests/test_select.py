@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import ejkfn
+from ejkfn import _tune
 from ejkfn.testing import Scale, ScaleCfg
 
 FAST = ejkfn.Tuner(warmup=0, iters=1)
@@ -512,6 +513,54 @@ def test_tuner_bounds_one_call():
     report = tuner.tune(inv_of(Slow()), [ScaleCfg(block=1), ScaleCfg(block=8)])
     assert report.best == ScaleCfg(block=1)
     assert report.failures[0].cfg == ScaleCfg(block=8) and "bound" in report.failures[0].error
+
+
+def _scripted_timings(monkeypatch, *passes):
+    """Replaces the interleaved timing with scripted seconds, one dict a pass; logs what each pass
+    timed: (keys, calls)."""
+    log = []
+    readings = iter(passes)
+
+    def timed(fns, *, calls, **_):
+        log.append((sorted(fns), calls))
+        seconds = next(readings)
+        return {k: [seconds[k]] for k in fns}
+
+    monkeypatch.setattr(_tune, "interleaved_seconds", timed)
+    return log
+
+
+def test_tuner_runoff_times_the_close_candidates_again_among_themselves(monkeypatch):
+    log = _scripted_timings(monkeypatch, {"a": 1.05, "b": 1.01})
+    tuner = ejkfn.Tuner(iters=4, runoff=0.03)
+    fns = {k: (lambda: None) for k in "abc"}
+    assert tuner.runoff_timings(fns, {"a": 1.0, "b": 1.02, "c": 1.5}) == {"a": 1.05, "b": 1.01}
+    assert log == [(["a", "b"], 8)]  # c is 50% behind; runoff_iters defaults to twice iters
+    # nothing to decide: one candidate within the margin, failures, or no runoff asked for
+    assert tuner.runoff_timings(fns, {"a": 1.0, "b": 1.2, "c": ValueError("x")}) == {}
+    assert ejkfn.Tuner(runoff=0.0).runoff_timings(fns, {"a": 1.0, "b": 1.0}) == {}
+    assert len(log) == 1
+
+
+def test_tune_chooses_on_the_runoff(monkeypatch):
+    cfgs = [ScaleCfg(block=1), ScaleCfg(block=2), ScaleCfg(block=8)]
+    log = _scripted_timings(monkeypatch, {0: 1.0, 1: 1.02, 2: 2.0}, {0: 1.1, 1: 1.0})
+    tuner = ejkfn.Tuner(warmup=0, iters=2, runoff=0.05, runoff_iters=6, progress=False)
+    report = tuner.tune(inv_of(), cfgs)
+    assert log == [([0, 1, 2], 2), ([0, 1], 6)]
+    assert report.best == ScaleCfg(block=2)
+    assert [r.seconds for r in report.results] == [1.1, 1.0, 2.0]
+    assert any("runoff: 2 candidates" in n for n in report.notes)
+    _scripted_timings(monkeypatch, {0: 1.0, 1: 1.02, 2: 2.0})  # without a runoff: one pass
+    assert ejkfn.Tuner(warmup=0, iters=2, progress=False).tune(inv_of(), cfgs).best == cfgs[0]
+
+
+@pytest.mark.parametrize(
+    "bad, match", [(dict(runoff=-0.1), "runoff"), (dict(runoff_iters=0), "runoff_iters")]
+)
+def test_tuner_refuses_a_bad_runoff(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ejkfn.Tuner(**bad)
 
 
 def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
