@@ -111,7 +111,15 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     else:
         raise UsageError(f"unknown kernel {args.kernel!r}; known: {', '.join(sorted(KERNELS))}")
     store = ejkfn.PersistentCache(args.cache_dir)
-    tuner = ejkfn.Tuner(warmup=args.warmup, iters=args.iters, progress=None if args.quiet else True)
+    try:
+        tuner = ejkfn.Tuner(
+            warmup=args.warmup,
+            iters=args.iters,
+            runoff=args.runoff,
+            progress=None if args.quiet else True,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     failed = 0
     for kernel, call_args, call_kwargs in calls:
         inv = ejkfn.Invocation.of(kernel, *call_args, **call_kwargs)
@@ -237,6 +245,13 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--backward", action="store_true", help="time forward plus backward")
     tune.add_argument("--warmup", type=int, default=2, help="untimed calls per candidate")
     tune.add_argument("--iters", type=int, default=10, help="timed calls per candidate (median)")
+    tune.add_argument(
+        "--runoff",
+        type=float,
+        default=0.0,
+        help="time the candidates within this fraction of the fastest again, among themselves, "
+        "with twice the calls (e.g. 0.03; default 0: off)",
+    )
     tune.add_argument(
         "--cache-dir",
         help="persistent cache directory (default: $EJKFN_CACHE_DIR or ~/.cache/ejkfn)",

@@ -40,6 +40,12 @@ def test_tune_one_kernel_for_a_shape(cache_dir, capsys):
     assert record["meta"]["seconds"] > 0
 
 
+def test_tune_with_a_runoff(cache_dir, capsys):
+    args = ["tune", "scale", "--shape", "16,8", "--iters", "1", "--warmup", "0", "--quiet"]
+    code, out, _ = run([*args, "--runoff", "10"], capsys)  # every candidate within 1000%
+    assert code == 0 and "note: runoff:" in out
+
+
 def test_tune_flash_attention(cache_dir, capsys):
     code, out, _ = run(
         [
@@ -73,6 +79,8 @@ def test_tune_flash_attention(cache_dir, capsys):
             ["tune", "flash_attention", "--shape", "1,64,4,32", "--kv-heads", "3"],
             "must divide heads",
         ),
+        (["tune", "scale", "--iters", "0"], "iters must be >= 1"),
+        (["tune", "scale", "--runoff", "-0.5"], "runoff must be a fraction >= 0"),
         (["cache", "show", "missing/key"], "no entry"),
         (["cache", "export"], "needs a FILE"),
     ],
