@@ -134,46 +134,27 @@ def implementations(
             name = f"mosaic {fp.kv_blocksize}x{fp.num_stages}"
             name += " cluster of 2" if fp.q_blocksize > 128 else ""
             impls[name] = jax.jit(ours(case.causal, heuristic, q, k, fp))
+
+        def forward(**options: Any) -> Any:
+            """The heuristic's Mosaic forward with the kernel's private ``options``."""
+
+            def run(q, k, v):
+                return _pallas_mosaic._forward(
+                    q, k, v, spec=spec, params=None, interpret=None, **options
+                )[0]
+
+            return jax.jit(run)
+
         if one_tile_per_cta:  # the grid before the persistent one, for comparison
-
-            def one_tile(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, persistent=False
-                )[0]
-
-            impls["mosaic one tile per CTA"] = jax.jit(one_tile)
+            impls["mosaic one tile per CTA"] = forward(persistent=False)
         if other_order:
-
-            def reordered(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, along_sequence=other_fwd
-                )[0]
-
-            impls[f"mosaic, {order(other_fwd)}"] = jax.jit(reordered)
+            impls[f"mosaic, {order(other_fwd)}"] = forward(along_sequence=other_fwd)
         if unbalanced:  # the persistent grid on every resident CTA, as before Rounds.balanced
-
-            def fixed(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, balanced=False
-                )[0]
-
-            impls["mosaic, all resident CTAs"] = jax.jit(fixed)
+            impls["mosaic, all resident CTAs"] = forward(balanced=False)
         if whole_tail:  # the last round's tiles whole, as before SplitTail
-
-            def whole(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, split_tail=False
-                )[0]
-
-            impls["mosaic, last round whole"] = jax.jit(whole)
+            impls["mosaic, last round whole"] = forward(split_tail=False)
         if four_memory_warps:  # every warp of the memory warpgroup runs its loop, as before
-
-            def four(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, one_memory_warp=False
-                )[0]
-
-            impls["mosaic, four memory warps"] = jax.jit(four)
+            impls["mosaic, four memory warps"] = forward(one_memory_warp=False)
         return impls
     on_gpu = jax.default_backend() == "gpu"
 

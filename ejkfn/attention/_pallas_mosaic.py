@@ -103,6 +103,7 @@ MIN_TAIL_PIECE = 4
 # spilled 116 bytes with the tail's code in the kernel and none without (benchmarks/NOTES.md,
 # twelfth round).
 MIN_SPLIT_BLOCKS, MIN_SPLIT_HEAD_DIM = 64, 128
+_MAX_MERGE_RUNS = 8  # runs of consecutive tiles _merge_tail writes as slices (else one scatter)
 
 
 def available() -> bool:
@@ -626,9 +627,6 @@ def _merge_tail(
         out = out.at[bi, row : row + (j - i) * CTA_ROWS, hi].set(tile_out[i:j].reshape(-1, g.dpad))
         lse = lse.at[bi, hi, row : row + (j - i) * CTA_ROWS].set(tile_lse[i:j].reshape(-1))
     return out, lse
-
-
-_MAX_MERGE_RUNS = 8  # runs of consecutive tiles _merge_tail writes as slices (else one scatter)
 
 
 def _runs(b: np.ndarray, h: np.ndarray, first_row: np.ndarray) -> list[tuple[int, int]]:

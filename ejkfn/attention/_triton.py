@@ -380,9 +380,9 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
         smem = item * d * (bq + 2 * bk * stages)
         values = (bq * d + bq * bk) / threads
         return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
-    smem = item * d * (2 * bk + 2 * bq * stages)
-    if p.variant != MIRRORED:  # dQ keeps q blocks and streams k blocks
-        smem = max(smem, item * d * (2 * bq + 2 * bk * stages))
+    # dK/dV keeps k, v blocks and streams q, do; dQ keeps its rows of q, do and streams k, v
+    rows, cols = dq_blocks(p)
+    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * rows + 2 * cols * stages)
     values = max(2 * bk * d, bq * d) / threads + bq * bk / threads
     return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
