@@ -9,8 +9,8 @@ where they import), it
    error must stay under 2e-2; NaN never passes), and skips timing a failing variant;
 2. times forward and forward+backward: after warm-up, ``--rounds`` rounds in which each implementation
    in turn (a new order each round) runs an untimed batch, then a timed batch, of ``--calls`` calls back
-   to back (input sets rotating), waited on once; the median over rounds (drifts of the machine's
-   speed fall on all alike);
+   to back (input sets rotating; more where they would last under ``--min-batch-ms``), waited on
+   once; the median over rounds (drifts of the machine's speed fall on all alike);
 3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
    versions to ``--out`` (default ``benchmarks/results``).
 
@@ -252,12 +252,18 @@ def median_ms(
 
 
 def interleaved_ms(
-    fns: dict[str, Callable[..., Any]], arg_sets: list[tuple[Any, ...]], calls: int, rounds: int
+    fns: dict[str, Callable[..., Any]],
+    arg_sets: list[tuple[Any, ...]],
+    calls: int,
+    rounds: int,
+    min_batch_ms: float = 0.0,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each of ``fns`` (already warm), one reading a round: in each round,
     in a new order, an untimed batch of ``calls`` calls then a timed one, back to back, the input
     sets rotating (:func:`ejkfn.interleaved_seconds`; the untimed batch settles the clock on this
-    kernel's load, since a light kernel timed before left it boosted: up to 10% fast)."""
+    kernel's load, since a light kernel timed before left it boosted: up to 10% fast). A batch, timed
+    or not, shorter than ``min_batch_ms`` (judged by one call) takes that long instead: five
+    half-millisecond forwards read the clock's transients more than the kernel."""
 
     def rotating(fn: Callable[..., Any]) -> Callable[[], Any]:
         sets = itertools.cycle(arg_sets)
@@ -265,10 +271,12 @@ def interleaved_ms(
 
     readings = ejkfn.interleaved_seconds(
         {name: rotating(fn) for name, fn in fns.items()},
-        warmup=0,
+        warmup=int(min_batch_ms > 0),
         calls=calls * rounds,
         rounds=rounds,
         settle=calls,
+        min_batch_seconds=min_batch_ms / 1e3,
+        settle_seconds=min_batch_ms / 1e3,
     )
     times: dict[str, list[float]] = {}
     for name, seconds in readings.items():
@@ -481,6 +489,12 @@ def main() -> int:
     parser.add_argument("--shapes", help="BxSxHxD[xKVH] list, comma-separated")
     parser.add_argument("--calls", type=int, default=8, help="calls per batch, back to back")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of batches")
+    parser.add_argument(
+        "--min-batch-ms",
+        type=float,
+        default=20.0,
+        help="a timed batch runs at least this long (more calls for short kernels)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument(
@@ -554,7 +568,7 @@ def main() -> int:
                     fns.pop(name, None)
         for key, fns in passes.items():
             sets = arg_sets if key == "fwd_bwd" else [a[:3] for a in arg_sets]
-            times = interleaved_ms(fns, sets, args.calls, args.rounds)
+            times = interleaved_ms(fns, sets, args.calls, args.rounds, args.min_batch_ms)
             for name, ms in times.items():
                 entry = entries[name]
                 entry[f"{key}_ms"] = statistics.median(ms)

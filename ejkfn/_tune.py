@@ -87,6 +87,7 @@ def interleaved_seconds[K](
     bound: float | None = None,
     seed: int = 0,
     min_batch_seconds: float = 0.0,
+    settle_seconds: float = 0.0,
 ) -> dict[K, list[float] | Exception]:
     """Seconds per call of each of ``fns``, one reading a round, or the exception it raised.
 
@@ -100,7 +101,8 @@ def interleaved_seconds[K](
     last less than ``min_batch_seconds`` (judged by its fastest warm-up call; none without
     warm-up), its turns run that many seconds' worth of calls instead (at most
     ``MAX_BATCH_CALLS``): a few sub-millisecond calls read launch latency and clock transients
-    more than the kernel.
+    more than the kernel. ``settle_seconds`` lengthens the untimed calls before each turn the same
+    way: a clock left high or low by the previous function takes milliseconds to follow this one.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones(64)
@@ -108,15 +110,24 @@ def interleaved_seconds[K](
     >>> {name: len(readings) for name, readings in times.items()}
     {'sin': 3, 'cos': 3}
     """
-    if warmup < 0 or settle < 0 or calls < 1 or rounds < 1 or not min_batch_seconds >= 0:
+    if (
+        warmup < 0
+        or settle < 0
+        or calls < 1
+        or rounds < 1
+        or not min_batch_seconds >= 0
+        or not settle_seconds >= 0
+    ):
         raise ValueError(
-            f"need warmup >= 0, settle >= 0, calls >= 1, rounds >= 1 and min_batch_seconds >= 0; "
-            f"got {warmup=}, {settle=}, {calls=}, {rounds=}, {min_batch_seconds=}"
+            f"need warmup >= 0, settle >= 0, calls >= 1, rounds >= 1, min_batch_seconds >= 0 and "
+            f"settle_seconds >= 0; got {warmup=}, {settle=}, {calls=}, {rounds=}, "
+            f"{min_batch_seconds=}, {settle_seconds=}"
         )
     rounds = min(rounds, calls)
     readings: dict[K, list[float]] = {}
     failed: dict[K, Exception] = {}
     least_calls: dict[K, int] = {}
+    settle_calls: dict[K, int] = {}
     for key, fn in fns.items():
         try:
             fastest = min((_seconds_per_call(fn, 1, bound) for _ in range(warmup)), default=0.0)
@@ -124,8 +135,13 @@ def interleaved_seconds[K](
         except Exception as exc:  # this one drops out; the others are still timed
             failed[key] = exc
             continue
-        wanted = math.ceil(min_batch_seconds / fastest) if fastest > 0 else 1
-        least_calls[key] = min(max(wanted, 1), MAX_BATCH_CALLS)
+
+        def lasting(seconds: float, fastest: float = fastest) -> int:
+            """Calls that last ``seconds``, by the fastest warm-up call (1 without one)."""
+            return min(max(math.ceil(seconds / fastest) if fastest > 0 else 1, 1), MAX_BATCH_CALLS)
+
+        least_calls[key] = lasting(min_batch_seconds)
+        settle_calls[key] = max(settle, lasting(settle_seconds)) if settle_seconds else settle
     running = list(readings)
     order = random.Random(seed)
     for r in range(rounds):
@@ -133,7 +149,7 @@ def interleaved_seconds[K](
         order.shuffle(running)
         for key in list(running):
             try:
-                for _ in range(settle):
+                for _ in range(settle_calls[key]):
                     _block(fns[key]())
                 batch = max(share, least_calls[key])
                 readings[key].append(_seconds_per_call(fns[key], batch, bound))

@@ -608,6 +608,11 @@ def test_interleaved_seconds_lengthens_short_batches():
     assert lengthened % 3 == 0 and 4 <= lengthened // 3 <= 10  # 0.05 s of 5 ms calls
     with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
         ejkfn.interleaved_seconds({"f": lambda: None}, min_batch_seconds=-1.0)
+    # settle_seconds lengthens the untimed calls before each turn alike (3 rounds of 4-10 more).
+    settled = batches(warmup=1, settle_seconds=0.05)
+    assert settled - 3 >= 12 and (settled - 3) % 3 == 0 and (settled - 3) // 3 <= 10
+    with pytest.raises(ValueError, match=r"settle_seconds=-1\.0"):
+        ejkfn.interleaved_seconds({"f": lambda: None}, settle_seconds=-1.0)
     with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
         ejkfn.Tuner(min_batch_seconds=-1.0)
 
