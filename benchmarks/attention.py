@@ -493,7 +493,7 @@ def main() -> int:
         "--min-batch-ms",
         type=float,
         default=20.0,
-        help="a timed batch runs at least this long (more calls for short kernels)",
+        help="each batch, untimed and timed, runs at least this long (more calls for short kernels)",
     )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
@@ -511,6 +511,8 @@ def main() -> int:
         "--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results")
     )
     args = parser.parse_args()
+    if not args.min_batch_ms >= 0:
+        parser.error(f"--min-batch-ms must be 0 or more, got {args.min_batch_ms}")
     if args.peers:
         sys.path.append(str(Path(args.peers).resolve()))
 
