@@ -77,6 +77,13 @@ def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) ->
 MAX_BATCH_CALLS = 10_000  # the most calls ``min_batch_seconds`` adds to one timed batch
 
 
+def _calls_lasting(seconds: float, per_call: float) -> int:
+    """Calls of ``per_call`` seconds that last ``seconds`` (at least 1, at most
+    ``MAX_BATCH_CALLS``; 1 where ``per_call`` is unknown, i.e. 0)."""
+    wanted = math.ceil(seconds / per_call) if per_call > 0 else 1
+    return min(max(wanted, 1), MAX_BATCH_CALLS)
+
+
 def interleaved_seconds[K](
     fns: Mapping[K, Callable[[], Any]],
     *,
@@ -135,13 +142,10 @@ def interleaved_seconds[K](
         except Exception as exc:  # this one drops out; the others are still timed
             failed[key] = exc
             continue
-
-        def lasting(seconds: float, fastest: float = fastest) -> int:
-            """Calls that last ``seconds``, by the fastest warm-up call (1 without one)."""
-            return min(max(math.ceil(seconds / fastest) if fastest > 0 else 1, 1), MAX_BATCH_CALLS)
-
-        least_calls[key] = lasting(min_batch_seconds)
-        settle_calls[key] = max(settle, lasting(settle_seconds)) if settle_seconds else settle
+        least_calls[key] = _calls_lasting(min_batch_seconds, fastest)
+        settle_calls[key] = (
+            max(settle, _calls_lasting(settle_seconds, fastest)) if settle_seconds else settle
+        )
     running = list(readings)
     order = random.Random(seed)
     for r in range(rounds):
