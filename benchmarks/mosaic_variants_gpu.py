@@ -17,7 +17,7 @@ in this run.
 ``--other-bwd`` times other revisions of ``_pallas_mosaic_bwd.py`` (``git show
 REV:ejkfn/attention/_pallas_mosaic_bwd.py > OLD.py``, or an edited copy) beside this tree's, each
 behind this tree's forward: an A/B of backward edits in one run, where separate runs differ by more
-than the edits do.
+than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward.
 
 ``--cpu-smoke`` runs one tiny shape in Mosaic GPU's interpreter (no cuDNN, no timing), to check the
 script without a GPU.
@@ -57,7 +57,7 @@ from attention import (
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
-from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
+from ejkfn.attention import _backend, _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
@@ -82,17 +82,25 @@ def forward_blocks(text: str) -> list[FwdParams]:
     return out
 
 
-def other_backwards(paths: str) -> dict[str, ModuleType]:
-    """Other revisions of ``_pallas_mosaic_bwd.py`` (``git show REV:ejkfn/attention/...``, or
-    edited copies), comma-separated, loaded beside this tree's to be timed against it in one run;
-    each named by its file's stem."""
+def other_revisions(paths: str, flag: str) -> dict[str, ModuleType]:
+    """Other revisions of one of our modules (``git show REV:ejkfn/attention/...``, or edited
+    copies), comma-separated, loaded beside this tree's to be timed against it in one run; each
+    named by its file's stem. ``flag`` names the option they came from, for errors.
+
+    A forward module registers its backend when loaded; the registry is put back as it was, so
+    that ``platform="pallas"`` still runs this tree's kernels."""
+    registered = {platform: dict(table) for platform, table in _backend._variants.items()}
     modules = {}
-    for path in filter(None, paths.split(",")):
-        name = Path(path).stem
-        try:
-            modules[name] = load_module(path, f"_other_{name}")
-        except FileNotFoundError as e:
-            raise SystemExit(f"--other-bwd: {e}") from None
+    try:
+        for path in filter(None, paths.split(",")):
+            name = Path(path).stem
+            try:
+                modules[name] = load_module(path, f"_other_{name}")
+            except FileNotFoundError as e:
+                raise SystemExit(f"{flag}: {e}") from None
+    finally:
+        _backend._variants.clear()
+        _backend._variants.update(registered)
     return modules
 
 
@@ -106,6 +114,7 @@ def implementations(
     others: dict[str, ModuleType] | None = None,
     whole_tail: bool = False,
     four_memory_warps: bool = False,
+    other_fwds: dict[str, ModuleType] | None = None,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -135,15 +144,18 @@ def implementations(
             name += " cluster of 2" if fp.q_blocksize > 128 else ""
             impls[name] = jax.jit(ours(case.causal, heuristic, q, k, fp))
 
-        def forward(**options: Any) -> Any:
-            """The heuristic's Mosaic forward with the kernel's private ``options``."""
+        def forward(module: ModuleType = _pallas_mosaic, **options: Any) -> Any:
+            """The heuristic's Mosaic forward (of ``module``, a revision of ``_pallas_mosaic``)
+            with the kernel's private ``options``."""
 
             def run(q, k, v):
-                return _pallas_mosaic._forward(
-                    q, k, v, spec=spec, params=None, interpret=None, **options
-                )[0]
+                out, _ = module._forward(q, k, v, spec=spec, params=None, interpret=None, **options)
+                return out
 
             return jax.jit(run)
+
+        for other, module in (other_fwds or {}).items():
+            impls[f"mosaic, {other}"] = forward(module)
 
         if one_tile_per_cta:  # the grid before the persistent one, for comparison
             impls["mosaic one tile per CTA"] = forward(persistent=False)
@@ -235,9 +247,10 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.one_tile_per_cta,
             args.tile_order,
             args.unbalanced,
-            other_backwards(args.other_bwd),
+            other_revisions(args.other_bwd, "--other-bwd"),
             args.whole_tail,
             args.four_memory_warps,
+            other_revisions(args.other_fwd, "--other-fwd"),
         )
         for row in check_then_time(
             case,
@@ -314,6 +327,12 @@ def main() -> int:
         "--other-bwd",
         default="",
         help="other revisions' _pallas_mosaic_bwd.py, comma-separated, to time beside this one's",
+    )
+    parser.add_argument(
+        "--other-fwd",
+        default="",
+        help="other revisions' _pallas_mosaic.py, comma-separated, whose forwards to time beside "
+        "this one's",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

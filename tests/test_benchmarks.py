@@ -12,7 +12,7 @@ import pytest
 from ._subprocess import ROOT, child_env
 
 
-def _run(script: str, *args: str) -> None:
+def _run(script: str, *args: str, returncode: int = 0) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         env=child_env(),
@@ -20,7 +20,7 @@ def _run(script: str, *args: str) -> None:
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == returncode, done.stdout[-2000:] + done.stderr[-2000:]
 
 
 def _saved(folder, pattern: str) -> dict:
@@ -40,12 +40,23 @@ def test_attention_benchmark_checks_then_times(tmp_path):
 
 @pytest.mark.slow
 def test_mosaic_variants_benchmark_smoke(tmp_path):
-    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--fwd-blocks", "64x2x256", "--out", str(tmp_path))  # fmt: skip
+    # Another revision of the forward: this one, its output zeroed. Loading it must not replace
+    # the registered backend, whose row stays correct; its own wrong rows make the script exit 1.
+    other = tmp_path / "zeroed.py"
+    source = (ROOT / "ejkfn" / "attention" / "_pallas_mosaic.py").read_text()
+    other.write_text(
+        source + "\n\n_kept = _forward\n\n\ndef _forward(*args, **kwargs):\n"
+        "    out, lse = _kept(*args, **kwargs)\n    return out * 0, lse\n"
+    )
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--fwd-blocks", "64x2x256", "--other-fwd", str(other), "--out", str(tmp_path), returncode=1)  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     mosaic = [r for r in rows if r["impl"].startswith("mosaic")]
-    # the persistent, one-tile-per-CTA and two-CTA-cluster forwards, causal and not
-    assert len(mosaic) == 6 and sum("cluster of 2" in r["impl"] for r in mosaic) == 2
-    assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic)
+    # the persistent, one-tile-per-CTA, two-CTA-cluster and the other revision's forwards, causal
+    # and not
+    assert len(mosaic) == 8 and sum("cluster of 2" in r["impl"] for r in mosaic) == 2
+    zeroed = [r for r in mosaic if r["impl"] == "mosaic, zeroed"]
+    assert len(zeroed) == 2 and all(r["max_rel_err_vs_cudnn"] > 0.5 for r in zeroed)
+    assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic if r not in zeroed)
 
 
 @pytest.mark.slow
