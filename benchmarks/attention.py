@@ -46,7 +46,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejkfn
-from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention import (
+    AttentionConfig,
+    AttentionShape,
+    AttentionSpec,
+    _backend,
+    registered_backends,
+)
 
 FULL_SHAPES = [  # (batch, seq, heads, kv_heads, dim)
     (4, 4096, 16, 16, 128),
@@ -378,13 +384,19 @@ def power_and_clock(
 
 def load_module(path: str | Path, name: str) -> types.ModuleType:
     """The module in file ``path`` (another revision of one of ours), loaded as
-    ``ejkfn.attention.<name>`` so that its relative imports resolve to this tree's package."""
+    ``ejkfn.attention.<name>`` so that its relative imports resolve to this tree's package. A backend
+    it defines is not registered: ``platform=...`` keeps running this tree's."""
     spec = importlib.util.spec_from_file_location(f"ejkfn.attention.{name}", path)
     if spec is None or spec.loader is None:
         raise FileNotFoundError(f"no Python module at {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    register = _backend.register_backend
+    _backend.register_backend = lambda backend: backend
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        _backend.register_backend = register
     return module
 
 

@@ -57,7 +57,7 @@ from attention import (
 from check_mosaic_bwd_gpu import ours, rel_err
 
 from ejkfn import BwdParams, FwdParams
-from ejkfn.attention import _backend, _pallas_mosaic, _pallas_mosaic_bwd
+from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
@@ -85,22 +85,14 @@ def forward_blocks(text: str) -> list[FwdParams]:
 def other_revisions(paths: str, flag: str) -> dict[str, ModuleType]:
     """Other revisions of one of our modules (``git show REV:ejkfn/attention/...``, or edited
     copies), comma-separated, loaded beside this tree's to be timed against it in one run; each
-    named by its file's stem. ``flag`` names the option they came from, for errors.
-
-    A forward module registers its backend when loaded; the registry is put back as it was, so
-    that ``platform="pallas"`` still runs this tree's kernels."""
-    registered = {platform: dict(table) for platform, table in _backend._variants.items()}
+    named by its file's stem. ``flag`` names the option they came from, for errors."""
     modules = {}
-    try:
-        for path in filter(None, paths.split(",")):
-            name = Path(path).stem
-            try:
-                modules[name] = load_module(path, f"_other_{name}")
-            except FileNotFoundError as e:
-                raise SystemExit(f"{flag}: {e}") from None
-    finally:
-        _backend._variants.clear()
-        _backend._variants.update(registered)
+    for path in filter(None, paths.split(",")):
+        name = Path(path).stem
+        try:
+            modules[name] = load_module(path, f"_other_{name}")
+        except FileNotFoundError as e:
+            raise SystemExit(f"{flag}: {e}") from None
     return modules
 
 

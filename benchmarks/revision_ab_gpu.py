@@ -47,13 +47,8 @@ def previous_modules(folder: Path, tag: str) -> dict[str, ModuleType]:
         if not (folder / name).is_file():
             raise FileNotFoundError(f"--previous {folder} has no {name}")
     kernels = load_module(folder / "_triton_kernels.py", f"_{tag}_triton_kernels")
-    register = backend_module.register_backend
-    backend_module.register_backend = lambda backend: backend  # keep this tree's registered
-    try:
-        triton = load_module(folder / "_triton.py", f"_{tag}_triton")
-        pallas = load_module(folder / "_pallas_gpu.py", f"_{tag}_pallas_gpu")
-    finally:
-        backend_module.register_backend = register
+    triton = load_module(folder / "_triton.py", f"_{tag}_triton")
+    pallas = load_module(folder / "_pallas_gpu.py", f"_{tag}_pallas_gpu")
     triton._KERNELS = kernels.__name__
     return {"triton": triton, "pallas": pallas}
 
