@@ -531,7 +531,31 @@ MOSAIC_FUSED_CASES = {
         Case(batch=2, seq_q=100, seq_k=256, dim=96, dtype=jnp.float16, causal=True),
         _fused_bwd(64, 128, stages=3),
     ),
+    # Without a mask or GQA the compute warpgroups feed the ring themselves (_Geom.self_fed).
+    "self_fed_ragged_batch2": (
+        Case(batch=2, seq_q=136, seq_k=200, dim=128, dtype=jnp.bfloat16),
+        _fused_bwd(64, 128),
+    ),
 }
+
+
+def test_mosaic_fused_backward_feeds_itself_only_without_a_mask_or_gqa():
+    """The fused cases above cover both ways of filling the ring: by a memory warpgroup (causal,
+    GQA, a persistent grid) and by the compute warpgroups themselves."""
+    fed = {}
+    for name, (case, bp) in MOSAIC_FUSED_CASES.items():
+        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
+        fed[name] = g.self_fed
+        persistent = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, (True, True))
+        assert not persistent.self_fed, name
+    assert fed == {
+        "causal_gqa_ragged": False,
+        "gqa_ragged": False,
+        "causal_q_longer_d80": False,
+        "causal_k_longer_batch2_d96": False,
+        "self_fed_ragged_batch2": True,
+    }
 
 
 @pytest.mark.parametrize("name", list(MOSAIC_FUSED_CASES))
@@ -896,6 +920,26 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
         assert text.count("mosaic_gpu") and text.count("@mosaic_gpu_v2(") == 1, bp
         assert "cp.reduce.async.bulk.tensor" in text and ".add." in text, bp
         assert "output_operand_aliases" in text, bp
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads):
+    """Without a mask or GQA the fused backward lowers without a memory warpgroup, so no registers
+    move between warpgroups (no ``setmaxnreg``); with GQA the memory warpgroup stays."""
+    case = Case(batch=2, seq_q=1024, seq_k=1024, heads=2, kv_heads=kv_heads, dim=128,
+                dtype=jnp.bfloat16)  # fmt: skip
+    x = jax.eval_shape(lambda: _inputs(case, 0))
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+    bp = _fused_bwd(64, 128)
+    assert _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, False, None).self_fed == (
+        kv_heads == 2
+    )
+    b = functools.partial(_pallas_mosaic_bwd.bwd, spec=case.spec, params=bp, interpret=False)
+    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H100)):
+        lowered = jax.jit(b).trace(x["q"], x["k"], x["v"], x["q"], lse, x["q"])
+        text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "cp.reduce.async.bulk.tensor" in text
+    assert ("setmaxnreg" in text) == (kv_heads == 1)
 
 
 def test_registered():

@@ -27,7 +27,10 @@ keys) together, and adds that float32 half into a dQ accumulator in global memor
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
 it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal (see
-benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked.
+benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked. Without a
+mask or GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have released
+the slot, and the compute warpgroups keep the registers a memory warpgroup would hold
+(``_Geom.self_fed``).
 
 Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
 work together read the same stream from L2) except causal below 16k keys, where heads fastest evens
@@ -206,6 +209,16 @@ class _Geom:
     def offset(self) -> int:
         """Key position of query row 0 on the causal diagonal (bottom-right alignment)."""
         return self.seq_k - self.seq_q
+
+    @property
+    def self_fed(self) -> bool:
+        """Whether the fused kernel's compute warpgroups issue the ring's copies themselves, with no
+        memory warpgroup: each thread may then hold 255 registers instead of 240, and the 152 bytes
+        ptxas spilled went to none. Without a mask or GQA, one tile a CTA. On an H100 that ran
+        1.01-1.04x the kernel with a memory warpgroup at 2x4096, 4x4096, 2x8192, 2x16384 and
+        1x32768 x16x128 forward+backward, but 0.92-0.93x with GQA (32/8 heads), which keeps the
+        memory warpgroup (benchmarks/NOTES.md, seventeenth round)."""
+        return self.fused and not self.causal and self.group == 1 and not self.persistent[0]
 
     @property
     def early_dv(self) -> bool:
@@ -390,13 +403,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
-        plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
+        if not g.self_fed:
+            plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
 
         def run_tile(t: Any, start: Any) -> Any:
             b, kvh, tile_base, first, per_head = tile(t)
             key_base = tile_base + wg * WG_ROWS
             keys = (b, pl.ds(key_base, WG_ROWS), kvh)
+            blocks = g.q_blocks  # a self-fed tile's stream: every query block of its one head
+
+            def issue(n: Any) -> None:
+                """Self-fed: warpgroup 0 copies query block ``n`` (if there is one) into its ring
+                slot. Python numbers only in here: constants closed over by a ``pl.when`` branch
+                fail Mosaic GPU's lowering."""
+
+                @pl.when((wg == 0) & (n < blocks))
+                def _() -> None:
+                    rows, slot = pl.ds(n * bq, bq), lax.rem(n, slots)
+                    h = kvh
+                    for src, ring in (
+                        (q_ref.at[b, rows, h], q_ring),
+                        (do_ref.at[b, rows, h], do_ring),
+                        (lse_ref.at[b, h, rows], lse_ring),
+                        (delta_ref.at[b, h, rows], delta_ring),
+                    ):
+                        plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
+
+            if g.self_fed:  # the first slots but one now; each block's start issues the next
+                for n in range(slots - 1):
+                    issue(jnp.int32(n))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dK and dV have left
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_own, k_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
@@ -434,6 +470,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
                 cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
+                if g.self_fed:
+                    # Once both warpgroups have released the last block, its slot takes the block
+                    # slots - 1 ahead: a block's lead, as a memory warpgroup would give it.
+                    @pl.when((wg == 0) & (t >= 1))
+                    def _() -> None:
+                        plgpu.barrier_wait(consumed.at[lax.rem(t + (slots - 1), slots)])
+
+                    issue(t + (slots - 1))
                 plgpu.barrier_wait(block_ready.at[slot])
 
                 def block(refs: Any) -> None:
@@ -521,6 +565,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
             zero = _acc(WG_ROWS, g.dpad)
             dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
+            if g.self_fed:  # the last block's release: no barrier phase left unobserved
+
+                @pl.when(wg == 0)
+                def _() -> None:
+                    plgpu.barrier_wait(consumed.at[(blocks - 1) % slots])
+
             if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
                 plgpu.barrier_arrive(k_read)
                 plgpu.barrier_wait(k_read)
@@ -534,7 +584,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == g.key_wgs)
     def _memory() -> None:
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
@@ -560,6 +609,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             return (copy,)
 
         feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
+
+    if not g.self_fed:
+        pl.when(wg == g.key_wgs)(_memory)
 
 
 def _dq_kernel(
@@ -856,7 +908,7 @@ def bwd(
         ),
         grid=(g.dkdv_rounds.ctas,),
         grid_names=("cta",),
-        num_threads=g.key_wgs + 1,
+        num_threads=g.key_wgs + (0 if g.self_fed else 1),
         thread_name="wg",
         compiler_params=compiler_params,
         interpret=interpret_params,
