@@ -401,6 +401,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         first = g.first_q_block(tile_base)
         return b, kvh, tile_base, first, g.q_blocks - first
 
+    def copy_block(b: Any, h: Any, rows: Any, slot: Any) -> None:
+        """A ring slot's four copies (Q, dO, lse and delta of head ``h``'s query ``rows``)."""
+        for src, ring in (
+            (q_ref.at[b, rows, h], q_ring),
+            (do_ref.at[b, rows, h], do_ring),
+            (lse_ref.at[b, h, rows], lse_ring),
+            (delta_ref.at[b, h, rows], delta_ring),
+        ):
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
+
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
         if not g.self_fed:
@@ -420,15 +430,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
                 @pl.when((wg == 0) & (n < blocks))
                 def _() -> None:
-                    rows, slot = pl.ds(n * bq, bq), lax.rem(n, slots)
-                    h = kvh
-                    for src, ring in (
-                        (q_ref.at[b, rows, h], q_ring),
-                        (do_ref.at[b, rows, h], do_ring),
-                        (lse_ref.at[b, h, rows], lse_ring),
-                        (delta_ref.at[b, h, rows], delta_ring),
-                    ):
-                        plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
+                    copy_block(b, kvh, pl.ds(n * bq, bq), lax.rem(n, slots))
 
             if g.self_fed:  # the first slots but one now; each block's start issues the next
                 for n in range(slots - 1):
@@ -596,17 +598,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             blocks = jnp.maximum(per_head, 1)
             h = kvh * g.group + lax.div(i, blocks)
             rows = pl.ds((first + lax.rem(i, blocks)) * bq, bq)
-
-            def copy() -> None:
-                for src, ring in (
-                    (q_ref.at[b, rows, h], q_ring),
-                    (do_ref.at[b, rows, h], do_ring),
-                    (lse_ref.at[b, h, rows], lse_ring),
-                    (delta_ref.at[b, h, rows], delta_ring),
-                ):
-                    plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
-
-            return (copy,)
+            return (functools.partial(copy_block, b, h, rows, slot),)
 
         feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
 
