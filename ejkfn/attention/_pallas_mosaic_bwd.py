@@ -214,10 +214,11 @@ class _Geom:
     def self_fed(self) -> bool:
         """Whether the fused kernel's compute warpgroups issue the ring's copies themselves, with no
         memory warpgroup: each thread may then hold 255 registers instead of 240, and the 152 bytes
-        ptxas spilled went to none. Without a mask or GQA, one tile a CTA. On an H100 that ran
-        1.01-1.04x the kernel with a memory warpgroup at 2x4096, 4x4096, 2x8192, 2x16384 and
-        1x32768 x16x128 forward+backward, but 0.92-0.93x with GQA (32/8 heads), which keeps the
-        memory warpgroup (benchmarks/NOTES.md, seventeenth round)."""
+        ptxas spilled went to none. Without a mask or GQA, one tile a CTA. Forward+backward against
+        the kernel with a memory warpgroup: 1.00-1.06x on an H100 at 4x2048, 4x4096, 2x8192,
+        2x16384, 1x32768 and 1x3000 x16x128 over three runs, 1.00-1.02x on an H200; with GQA
+        (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
+        (benchmarks/NOTES.md, seventeenth round)."""
         return self.fused and not self.causal and self.group == 1 and not self.persistent[0]
 
     @property
@@ -473,8 +474,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
                 cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
                 if g.self_fed:
-                    # Once both warpgroups have released the last block, its slot takes the block
-                    # slots - 1 ahead: a block's lead, as a memory warpgroup would give it.
+                    # Once both warpgroups have released the previous block, its slot takes the
+                    # block slots - 1 ahead: a block's lead, as a memory warpgroup would give it.
                     @pl.when((wg == 0) & (t >= 1))
                     def _() -> None:
                         plgpu.barrier_wait(consumed.at[lax.rem(t + (slots - 1), slots)])
