@@ -422,18 +422,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             b, kvh, tile_base, first, per_head = tile(t)
             key_base = tile_base + wg * WG_ROWS
             keys = (b, pl.ds(key_base, WG_ROWS), kvh)
-            blocks = g.q_blocks  # a self-fed tile's stream: every query block of its one head
+            if g.self_fed:  # a self-fed tile streams every query block of its one head
 
-            def issue(n: Any) -> None:
-                """Self-fed: warpgroup 0 copies query block ``n`` (if there is one) into its ring
-                slot. Python numbers only in here: constants closed over by a ``pl.when`` branch
-                fail Mosaic GPU's lowering."""
+                def issue(n: Any) -> None:
+                    """Warpgroup 0 copies query block ``n`` (if there is one) into its ring slot.
+                    Python numbers only in here: constants closed over by a ``pl.when`` branch
+                    fail Mosaic GPU's lowering."""
 
-                @pl.when((wg == 0) & (n < blocks))
-                def _() -> None:
-                    copy_block(b, kvh, pl.ds(n * bq, bq), lax.rem(n, slots))
+                    @pl.when((wg == 0) & (n < g.q_blocks))
+                    def _() -> None:
+                        copy_block(b, kvh, pl.ds(n * bq, bq), lax.rem(n, slots))
 
-            if g.self_fed:  # the first slots but one now; each block's start issues the next
+                # The first slots but one now; each block's start issues the next.
                 for n in range(slots - 1):
                     issue(jnp.int32(n))
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dK and dV have left
@@ -572,7 +572,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
                 @pl.when(wg == 0)
                 def _() -> None:
-                    plgpu.barrier_wait(consumed.at[(blocks - 1) % slots])
+                    plgpu.barrier_wait(consumed.at[(g.q_blocks - 1) % slots])
 
             if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
                 plgpu.barrier_arrive(k_read)
