@@ -403,8 +403,11 @@ def test_mosaic_forward_copy_loop_on_one_warp_or_four():
 
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
 def test_mosaic_lowers_for_cuda(name):
+    """The forward lowers for a Hopper GPU, its ping-pong turns on hardware barriers of both
+    compute warpgroups (the interpreter, which the other tests run, takes mbarriers instead)."""
     text = _lower(_pallas_mosaic, MOSAIC_CASES[name], H100, "cuda")
     assert "mosaic_gpu" in text
+    assert "bar.arrive $0, 256;" in text and "bar.sync $0, 256;" in text
 
 
 def test_mosaic_cluster_forward_lowers_for_cuda():
@@ -925,7 +928,8 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
 @pytest.mark.parametrize("kv_heads", [2, 1])
 def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads):
     """Without a mask or GQA the fused backward lowers without a memory warpgroup, so no registers
-    move between warpgroups (no ``setmaxnreg``); with GQA the memory warpgroup stays."""
+    move between warpgroups (no ``setmaxnreg``), and with hardware barriers between its two; with
+    GQA the memory warpgroup and the mbarriers stay."""
     case = Case(batch=2, seq_q=1024, seq_k=1024, heads=2, kv_heads=kv_heads, dim=128,
                 dtype=jnp.bfloat16)  # fmt: skip
     x = jax.eval_shape(lambda: _inputs(case, 0))
@@ -940,6 +944,8 @@ def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads):
         text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "cp.reduce.async.bulk.tensor" in text
     assert ("setmaxnreg" in text) == (kv_heads == 1)
+    # The self-fed kernel's handshakes go through hardware barriers; GQA's keep mbarriers.
+    assert ("bar.sync $0, 256;" in text) == (kv_heads == 2)
 
 
 def test_registered():

@@ -25,12 +25,16 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
 
 from ._backend import banded_tile, on_host, tile_div, tile_rem
 
 _HOPPER_SMS = 132  # multiprocessors of an H100 or H200 (SXM), where no GPU is there to ask
 HOPPER_SMEM_BYTES = 232448  # shared memory one CTA may take on an H100 or H200 (227 KiB)
 _INTERPRETER_CTAS = 3  # several tiles per CTA, so the CPU tests walk the rounds too
+# Hardware barriers below this one are Mosaic GPU's: 0 the CTA's, 1-3 its warpgroups'.
+FIRST_FREE_BARRIER = 4
 
 
 def resident_ctas(interpret: bool) -> int:
@@ -279,3 +283,27 @@ def feed_ring(
         return carry
 
     lax.fori_loop(jnp.maximum(streamed - slots, 0), streamed, drain, None)
+
+
+def hardware_barrier(op: str, barrier: Any, threads: int) -> None:
+    """``bar.<op>`` (``"arrive"`` or ``"sync"``) on the CTA's hardware barrier ``barrier`` (from
+    :data:`FIRST_FREE_BARRIER` on; a Python or traced int) for ``threads`` threads in all.
+
+    Where one warpgroup only waits for another, this costs less than an mbarrier: an arrive is one
+    instruction a warp (an mbarrier's is an atomic a thread), and a sync parks the warps instead of
+    polling shared memory. The two sides must pair up: a barrier completes once ``threads`` threads
+    have arrived or synced, whoever they are. The GPU only: Mosaic GPU's interpreter has no
+    hardware barriers (the kernels take mbarriers there).
+    """
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+    def emit(_: Any, index: Any) -> None:
+        llvm.inline_asm(
+            ir.Type.parse("!llvm.void"),
+            [index.registers[()]],
+            f"bar.{op} $0, {threads};",
+            "r",
+            has_side_effects=True,
+        )
+
+    emit(jnp.asarray(barrier, jnp.int32))

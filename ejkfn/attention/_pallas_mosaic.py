@@ -9,10 +9,12 @@ tile's blocks while the compute warpgroups finish a tile; the compute warpgroups
 as soon as the last product has read the current one, and stage O in a buffer of its own where
 shared memory allows. Each compute warpgroup multiplies with ``wgmma`` (Q from shared memory, P from
 registers), runs the online softmax in registers, and marks each slot consumed so the ring
-refills. The two compute warpgroups meet on a schedule barrier twice a step, one of them half a
-step ahead, so one's softmax runs while the other's products hold the tensor cores (ping-pong: on
-an H200 this took the forward from 199 to 246 TFLOP/s, and causal from 133 to 226, at
-2x4096x16x128).
+refills. The two compute warpgroups take turns, so one's softmax runs while the other's products
+hold the tensor cores (ping-pong: on an H200 this took the forward from 199 to 246 TFLOP/s, and
+causal from 133 to 226, at 2x4096x16x128): each waits for its turn before its P V and passes the
+turn once its next S = Q K^T is issued, warpgroup 1 starting a turn behind. The turns go through
+hardware barriers: 1-4% faster than mbarriers at head dim 128 on an H100 (benchmarks/NOTES.md,
+eighteenth round).
 With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
 warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
 refilled once both CTAs have released it (a tuner candidate: it measured even with one CTA a tile).
@@ -60,11 +62,13 @@ from .._registry import BwdParams, FwdParams
 from . import _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import MIRRORED, AttentionBackend, AttentionShape, register_backend
 from ._mosaic_grid import (
+    FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
     Rounds,
     SplitTail,
     feed_ring,
     full_key_blocks,
+    hardware_barrier,
     key_blocks,
     query_tile,
     query_tiles_work,
@@ -286,19 +290,28 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
     def slot_of(step: Any) -> Any:
         return lax.rem(step, jnp.int32(slots))
 
-    def rendezvous() -> None:
-        # Both compute warpgroups meet here. Warpgroup 1 starts one meeting ahead, so each one's
-        # softmax runs while the other's matrix products use the tensor cores (ping-pong).
-        if g.pingpong:
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+    # Ping-pong: warpgroup w's turn is barrier w's completion. On the GPU a hardware barrier of
+    # both warpgroups' threads, which the other warpgroup arrives on; in the interpreter, which has
+    # none, an mbarrier of one arrival.
+    def pass_turn() -> None:
+        if not g.pingpong:
+            return
+        if g.fused_pv:
+            hardware_barrier("arrive", FIRST_FREE_BARRIER + 1 - wg, COMPUTE_WGS * 128)
+        else:
+            plgpu.barrier_arrive(schedule.at[1 - wg])
+
+    def wait_turn() -> None:
+        if not g.pingpong:
+            return
+        if g.fused_pv:
+            hardware_barrier("sync", FIRST_FREE_BARRIER + wg, COMPUTE_WGS * 128)
+        else:
+            plgpu.barrier_wait(schedule.at[wg])
 
     def wait_values(slot: Any) -> None:
-        if g.pingpong:  # arrive first: the other warpgroup may go on to its products meanwhile
-            plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_ready.at[slot])
-        if g.pingpong:
-            plgpu.barrier_wait(schedule)
+        wait_turn()
 
     @pl.when(wg < COMPUTE_WGS)
     def _compute() -> None:
@@ -311,7 +324,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, q_ready.at[wg])
 
         load_q(0)  # every CTA has a tile: ctas <= tiles
-        pl.when(wg == 1)(rendezvous)
+        pl.when(wg == 1)(wait_turn)  # a turn behind
 
         def run_tile(t: Any, first_step: Any) -> Any:
             b, h, cta_base, first, cta_steps = tile(t)
@@ -328,7 +341,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
 
                 def qk(acc_ref: Any) -> Any:
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                    rendezvous()
+                    pass_turn()
                     return acc_ref[...]
 
                 s = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
@@ -381,7 +394,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                 # slot, so this warpgroup's arrivals never count towards a later phase of the slot.
                 slot = slot_of(ring_base + kv)
                 plgpu.barrier_wait(k_ready.at[slot])
-                rendezvous()
+                pass_turn()
                 plgpu.barrier_arrive(k_used.at[slot])
                 wait_values(slot)
                 plgpu.barrier_arrive(v_used.at[slot])
@@ -434,7 +447,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
             return ring_base + cta_steps
 
         lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
-        pl.when(wg == 0)(rendezvous)
+        pl.when(wg == 0)(pass_turn)  # warpgroup 1's last turn
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -585,7 +598,8 @@ def _forward(
     out, lse, *pieces = plgpu.kernel(
         functools.partial(_fwd_kernel, g=g),
         out_type=out_type,
-        scratch_types=(smem, ready, consumed, plgpu.Barrier(num_arrivals=COMPUTE_WGS)),
+        # The interpreter's ping-pong turns (the GPU's are hardware barriers).
+        scratch_types=(smem, ready, consumed, plgpu.Barrier(num_barriers=COMPUTE_WGS)),
         grid=(g.rounds.ctas,),
         grid_names=("cta",),
         **clustered,

@@ -73,10 +73,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
 from ._mosaic_grid import (
+    FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
     Rounds,
     feed_ring,
     full_key_blocks,
+    hardware_barrier,
     key_blocks,
     query_tile,
     query_tiles_work,
@@ -111,6 +113,11 @@ _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
+# The self-fed kernel's hardware barriers: a dS^T half stored (per buffer and waiting warpgroup), a
+# ring slot released by warpgroup 1, K read by both.
+_DS_STORED = FIRST_FREE_BARRIER
+_RELEASED = _DS_STORED + 4
+_K_READ = _RELEASED + 1
 ONE_MEMORY_WARP = True  # one warp of it runs the copy loop (_mosaic_grid.feed_ring)
 
 
@@ -394,6 +401,37 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     cta = lax.axis_index("cta")
     my_tiles = g.dkdv_rounds.tiles_of(cta)
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
+    # The self-fed kernel's handshakes between its two warpgroups go through hardware barriers on
+    # the GPU (mbarriers in the interpreter): 1-3% faster on an H100. With GQA's memory warpgroup
+    # beside them they measured 5-8% slower, so the other kernels keep mbarriers (NOTES.md,
+    # eighteenth round).
+    hardware = g.self_fed and g.registers_a
+    both = g.key_wgs * 128  # threads of the compute warpgroups
+
+    def signal_ds_stored(buf: Any) -> None:
+        if hardware:
+            hardware_barrier("arrive", _DS_STORED + 2 * buf + (1 - wg), both)
+        else:
+            plgpu.barrier_arrive(ds_stored.at[buf])
+
+    def wait_ds_stored(buf: Any) -> None:
+        if hardware:
+            hardware_barrier("sync", _DS_STORED + 2 * buf + wg, both)
+        else:
+            plgpu.barrier_wait(ds_stored.at[buf])
+
+    def release(slot: Any) -> None:
+        if not hardware:
+            plgpu.barrier_arrive(consumed.at[slot])
+        else:  # only warpgroup 0 waits, and it refills the slot after its own reads
+            pl.when(wg == 1)(lambda: hardware_barrier("arrive", _RELEASED, both))
+
+    def wait_released(slot: Any) -> None:
+        """(Warpgroup 0 of a self-fed kernel) until both warpgroups have released ``slot``."""
+        if hardware:
+            hardware_barrier("sync", _RELEASED, both)
+        else:
+            plgpu.barrier_wait(consumed.at[slot])
 
     def tile(t: Any) -> tuple[Any, Any, Any, Any, Any]:
         """(batch, kv head, first key row, first query block, query blocks per head) of this
@@ -478,7 +516,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     # block slots - 1 ahead: a block's lead, as a memory warpgroup would give it.
                     @pl.when((wg == 0) & (t >= 1))
                     def _() -> None:
-                        plgpu.barrier_wait(consumed.at[lax.rem(t + (slots - 1), slots)])
+                        wait_released(lax.rem(t + (slots - 1), slots))
 
                     issue(t + (slots - 1))
                 plgpu.barrier_wait(block_ready.at[slot])
@@ -510,7 +548,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     # flight (P^T from there too measured slower and spilled more).
                     ds_stage.at[buf, wg][...] = ds_t
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(ds_stored.at[buf])
+                    signal_ds_stored(buf)
                     if not g.early_dv:
                         dv_product()
                     plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_blk)
@@ -519,14 +557,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                         dq_ref = s_ref
                     else:  # the interpreter stores no accumulators: its own zeroed one
                         (dq_ref,) = spare
-                    plgpu.barrier_wait(ds_stored.at[buf])  # the other half of dS^T is stored
+                    wait_ds_stored(buf)  # the other half of dS^T is stored
                     for w in range(g.key_wgs):
                         ds = ds_stage.at[buf, w].transpose((1, 0))
                         plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
 
                 spare = () if g.registers_a or not g.fused else ((bq, g.dpad // 2),)
                 dv, dk, s_or_dq, _, *rest = _pipelined(g, block, (dv, dk), (shape, shape, *spare))
-                plgpu.barrier_arrive(consumed.at[slot])
+                release(slot)
                 if not g.fused:
                     return dk, dv
                 dq = s_or_dq if g.registers_a else rest[0]
@@ -569,14 +607,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             zero = _acc(WG_ROWS, g.dpad)
             dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
             if g.self_fed:  # the last block's release: no barrier phase left unobserved
-
-                @pl.when(wg == 0)
-                def _() -> None:
-                    plgpu.barrier_wait(consumed.at[(g.q_blocks - 1) % slots])
+                pl.when(wg == 0)(lambda: wait_released((g.q_blocks - 1) % slots))
 
             if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
-                plgpu.barrier_arrive(k_read)
-                plgpu.barrier_wait(k_read)
+                if hardware:
+                    hardware_barrier("sync", _K_READ, both)
+                else:
+                    plgpu.barrier_arrive(k_read)
+                    plgpu.barrier_wait(k_read)
             k_own[...] = (dk * g.scale).astype(dtype)
             v_own[...] = dv.astype(dtype)
             plgpu.commit_smem()
