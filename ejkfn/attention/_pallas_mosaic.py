@@ -13,8 +13,8 @@ refills. The two compute warpgroups take turns, so one's softmax runs while the 
 hold the tensor cores (ping-pong: on an H200 this took the forward from 199 to 246 TFLOP/s, and
 causal from 133 to 226, at 2x4096x16x128): each waits for its turn before its P V and passes the
 turn once its next S = Q K^T is issued, warpgroup 1 starting a turn behind. The turns go through
-hardware barriers: 1-4% faster than mbarriers at head dim 128 on an H100 (benchmarks/NOTES.md,
-eighteenth round).
+hardware barriers, mostly 1-4% faster than mbarriers on an H100 and an H200 (0.94-1.04x over four
+runs of eight shapes; benchmarks/NOTES.md, eighteenth round).
 With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
 warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
 refilled once both CTAs have released it (a tuner candidate: it measured even with one CTA a tile).
@@ -160,6 +160,7 @@ class _Geom:
     along_sequence: bool  # tile order (see _mosaic_grid.split_index)
     fused_pv: bool = True
     pingpong: bool = True
+    hardware_barriers: bool = True  # the ping-pong turns' (the GPU; the interpreter has none)
     cluster: int = 1  # CTAs on neighbouring query tiles that share each K/V copy (multicast)
     balanced: bool = True  # the persistent grid's CTA count chosen for its busiest CTA's work
     split_tail: bool = True  # tiles of equal work: the last round's spread over every CTA
@@ -296,7 +297,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
     def pass_turn() -> None:
         if not g.pingpong:
             return
-        if g.fused_pv:
+        if g.hardware_barriers:
             hardware_barrier("arrive", FIRST_FREE_BARRIER + 1 - wg, COMPUTE_WGS * 128)
         else:
             plgpu.barrier_arrive(schedule.at[1 - wg])
@@ -304,7 +305,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
     def wait_turn() -> None:
         if not g.pingpong:
             return
-        if g.fused_pv:
+        if g.hardware_barriers:
             hardware_barrier("sync", FIRST_FREE_BARRIER + wg, COMPUTE_WGS * 128)
         else:
             plgpu.barrier_wait(schedule.at[wg])
@@ -551,6 +552,7 @@ def _forward(
         along_sequence=FWD_ALONG_SEQUENCE if along_sequence is None else along_sequence,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
+        hardware_barriers=not _interpreting(interpret),
         cluster=cluster,
         balanced=balanced,
         split_tail=split_tail,

@@ -113,8 +113,9 @@ _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
-# The self-fed kernel's hardware barriers: a dS^T half stored (per buffer and waiting warpgroup), a
-# ring slot released by warpgroup 1, K read by both.
+# The self-fed kernel's hardware barriers: a dS^T half stored (one per buffer and waiting
+# warpgroup: a warpgroup a block ahead must not complete the neighbour's barrier on its own), a ring
+# slot released by warpgroup 1, K read by both.
 _DS_STORED = FIRST_FREE_BARRIER
 _RELEASED = _DS_STORED + 4
 _K_READ = _RELEASED + 1
@@ -402,9 +403,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     my_tiles = g.dkdv_rounds.tiles_of(cta)
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
     # The self-fed kernel's handshakes between its two warpgroups go through hardware barriers on
-    # the GPU (mbarriers in the interpreter): 1-3% faster on an H100. With GQA's memory warpgroup
-    # beside them they measured 5-8% slower, so the other kernels keep mbarriers (NOTES.md,
-    # eighteenth round).
+    # the GPU (mbarriers in the interpreter): 0-5% faster on an H100, 1-4% on an H200. With GQA's
+    # memory warpgroup beside them they measured 5-8% slower, so the other kernels keep mbarriers
+    # (benchmarks/NOTES.md, eighteenth round).
     hardware = g.self_fed and g.registers_a
     both = g.key_wgs * 128  # threads of the compute warpgroups
 
