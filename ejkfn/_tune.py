@@ -222,6 +222,12 @@ class Tuner:
         rounds: interleaved rounds (at most ``iters``).
         min_batch_seconds: a candidate's timed batch runs at least this long (more calls than its
             share of ``iters`` where its calls are short; needs ``warmup >= 1``).
+        settle_seconds: the untimed calls before each timed batch run at least this long, so a GPU's
+            clock has followed this candidate's power before it is timed (0: one call; needs
+            ``warmup >= 1``). A GPU's clock takes milliseconds to follow a new load, and
+            candidates that draw different power (cuDNN's attention and ours) were ranked apart
+            from a benchmark settled for 20 ms (benchmarks/NOTES.md, fifteenth and eighteenth
+            rounds).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
         runoff: candidates within this fraction of the fastest (0.03: 3%) are timed again, among
             themselves, with ``runoff_iters`` calls each, and chosen on those times: where two are
@@ -239,6 +245,7 @@ class Tuner:
     iters: int = 10
     rounds: int = 3
     min_batch_seconds: float = 0.01
+    settle_seconds: float = 0.0
     max_seconds_per_call: float | None = None
     runoff: float = 0.0
     runoff_iters: int | None = None
@@ -255,6 +262,8 @@ class Tuner:
             raise ValueError(f"rounds must be >= 1; got {self.rounds=}")
         if not self.min_batch_seconds >= 0:
             raise ValueError(f"min_batch_seconds must be >= 0; got {self.min_batch_seconds=}")
+        if not self.settle_seconds >= 0:
+            raise ValueError(f"settle_seconds must be >= 0; got {self.settle_seconds=}")
         if not 0 <= self.runoff < float("inf"):
             raise ValueError(f"runoff must be a fraction >= 0; got {self.runoff=}")
         if self.runoff_iters is not None and self.runoff_iters < 1:
@@ -273,6 +282,7 @@ class Tuner:
             bound=self.max_seconds_per_call,
             seed=self.seed,
             min_batch_seconds=self.min_batch_seconds,
+            settle_seconds=self.settle_seconds,
         )
         return {
             key: r if isinstance(r, Exception) else statistics.median(r)

@@ -615,6 +615,30 @@ def test_interleaved_seconds_lengthens_short_batches():
         ejkfn.interleaved_seconds({"f": lambda: None}, settle_seconds=-1.0)
     with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
         ejkfn.Tuner(min_batch_seconds=-1.0)
+    with pytest.raises(ValueError, match=r"settle_seconds=-1\.0"):
+        ejkfn.Tuner(settle_seconds=-1.0)
+
+
+def test_tuner_settles_each_candidate_before_timing_it():
+    """``Tuner(settle_seconds=...)`` lengthens the untimed calls before each timed batch as
+    :func:`interleaved_seconds` does (here 0.04 s of 5 ms calls before each of 3 turns)."""
+    import time
+
+    def untimed_calls(**kw) -> int:
+        log: list[int] = []
+
+        def sleepy():
+            log.append(1)
+            time.sleep(0.005)
+            return jnp.zeros(())
+
+        tuner = ejkfn.Tuner(warmup=1, iters=3, rounds=3, min_batch_seconds=0.0, **kw)
+        assert tuner.timings({"f": sleepy})["f"] >= 0.005
+        return len(log) - 1 - 3  # less the warm-up call and the timed ones
+
+    assert untimed_calls() == 3  # one settling call a turn
+    settled = untimed_calls(settle_seconds=0.04)
+    assert settled % 3 == 0 and 4 <= settled // 3 <= 8
 
 
 def test_interleaved_seconds_drops_what_fails_and_times_the_rest():
