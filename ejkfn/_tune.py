@@ -213,8 +213,8 @@ class Tuner:
     """Benchmarks candidate configs of a kernel call.
 
     Candidates are timed in interleaved rounds (:func:`interleaved_seconds`): each round times every
-    candidate in a new order, after one untimed call of it, so that drifts of the machine's speed
-    fall on all alike; a candidate's time is the median of its rounds.
+    candidate in a new order, after one untimed call of it (or ``settle_seconds`` of them), so that
+    drifts of the machine's speed fall on all alike; a candidate's time is the median of its rounds.
 
     Attributes:
         warmup: untimed calls of each candidate before the rounds.
