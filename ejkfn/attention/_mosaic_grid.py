@@ -35,6 +35,7 @@ HOPPER_SMEM_BYTES = 232448  # shared memory one CTA may take on an H100 or H200 
 _INTERPRETER_CTAS = 3  # several tiles per CTA, so the CPU tests walk the rounds too
 # Hardware barriers below this one are Mosaic GPU's: 0 the CTA's, 1-3 its warpgroups'.
 FIRST_FREE_BARRIER = 4
+WARPGROUP_THREADS = 128  # what a hardware barrier counts a warpgroup as
 
 
 def resident_ctas(interpret: bool) -> int:

@@ -64,6 +64,7 @@ from ._backend import MIRRORED, AttentionBackend, AttentionShape, register_backe
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
+    WARPGROUP_THREADS,
     Rounds,
     SplitTail,
     feed_ring,
@@ -298,7 +299,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         if not g.pingpong:
             return
         if g.hardware_barriers:
-            hardware_barrier("arrive", FIRST_FREE_BARRIER + 1 - wg, COMPUTE_WGS * 128)
+            hardware_barrier("arrive", FIRST_FREE_BARRIER + 1 - wg, COMPUTE_WGS * WARPGROUP_THREADS)
         else:
             plgpu.barrier_arrive(schedule.at[1 - wg])
 
@@ -306,7 +307,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         if not g.pingpong:
             return
         if g.hardware_barriers:
-            hardware_barrier("sync", FIRST_FREE_BARRIER + wg, COMPUTE_WGS * 128)
+            hardware_barrier("sync", FIRST_FREE_BARRIER + wg, COMPUTE_WGS * WARPGROUP_THREADS)
         else:
             plgpu.barrier_wait(schedule.at[wg])
 

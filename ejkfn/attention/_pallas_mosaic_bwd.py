@@ -75,6 +75,7 @@ from .._registry import BwdParams
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
+    WARPGROUP_THREADS,
     Rounds,
     feed_ring,
     full_key_blocks,
@@ -407,7 +408,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     # memory warpgroup beside them they measured 5-8% slower, so the other kernels keep mbarriers
     # (benchmarks/NOTES.md, eighteenth round).
     hardware = g.self_fed and g.registers_a
-    both = g.key_wgs * 128  # threads of the compute warpgroups
+    both = g.key_wgs * WARPGROUP_THREADS  # the compute warpgroups
 
     def signal_ds_stored(buf: Any) -> None:
         if hardware:
