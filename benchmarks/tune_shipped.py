@@ -99,7 +99,8 @@ RUNOFF = 0.03
 # Batches, and the settling before each, as long as the table's (attention.py --min-batch-ms). With
 # 10 ms batches and one settling call, the eighteenth round's tune had cuDNN 4-6% ahead of the
 # Mosaic pair at 4x4096 and 2x8192; the two tables after it read cuDNN between 2% ahead and 5%
-# behind. Not yet re-tuned this way (benchmarks/NOTES.md).
+# behind. The table's shapes were re-tuned this way on both GPUs in the nineteenth round
+# (benchmarks/NOTES.md).
 BATCH_SECONDS = 0.02
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import pickle
+import time
 
 import equinox as eqx
 import jax
@@ -502,8 +503,6 @@ def test_tuner_bounds_one_call():
 
         def run(self, x, *, cfg):
             def wait(a):
-                import time
-
                 time.sleep(0.05 * cfg.block)
                 return a
 
@@ -588,7 +587,6 @@ def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
 def test_interleaved_seconds_lengthens_short_batches():
     """A function whose share of a round would last under ``min_batch_seconds`` runs that long
     instead (judged by its warm-up); without the minimum, or without warm-up, it runs its share."""
-    import time
 
     def batches(**kw):
         log: list[int] = []
@@ -622,7 +620,6 @@ def test_interleaved_seconds_lengthens_short_batches():
 def test_tuner_settles_each_candidate_before_timing_it():
     """``Tuner(settle_seconds=...)`` lengthens the untimed calls before each timed batch as
     :func:`interleaved_seconds` does (here 0.04 s of 5 ms calls before each of 3 turns)."""
-    import time
 
     def untimed_calls(**kw) -> int:
         log: list[int] = []
