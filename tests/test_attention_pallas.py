@@ -534,7 +534,8 @@ MOSAIC_FUSED_CASES = {
         Case(batch=2, seq_q=100, seq_k=256, dim=96, dtype=jnp.float16, causal=True),
         _fused_bwd(64, 128, stages=3),
     ),
-    # Without a mask or GQA the compute warpgroups feed the ring themselves (_Geom.self_fed).
+    # Without GQA the compute warpgroups feed the ring themselves (_Geom.self_fed; so do the
+    # two causal cases above).
     "self_fed_ragged_batch2": (
         Case(batch=2, seq_q=136, seq_k=200, dim=128, dtype=jnp.bfloat16),
         _fused_bwd(64, 128),
@@ -542,9 +543,9 @@ MOSAIC_FUSED_CASES = {
 }
 
 
-def test_mosaic_fused_backward_feeds_itself_only_without_a_mask_or_gqa():
-    """The fused cases above cover both ways of filling the ring: by a memory warpgroup (causal,
-    GQA, a persistent grid) and by the compute warpgroups themselves."""
+def test_mosaic_fused_backward_feeds_itself_only_without_gqa():
+    """The fused cases above cover both ways of filling the ring: by a memory warpgroup (GQA, a
+    persistent grid) and by the compute warpgroups themselves (with and without a mask)."""
     fed = {}
     for name, (case, bp) in MOSAIC_FUSED_CASES.items():
         x = jax.eval_shape(lambda case=case: _inputs(case, 0))
@@ -555,8 +556,8 @@ def test_mosaic_fused_backward_feeds_itself_only_without_a_mask_or_gqa():
     assert fed == {
         "causal_gqa_ragged": False,
         "gqa_ragged": False,
-        "causal_q_longer_d80": False,
-        "causal_k_longer_batch2_d96": False,
+        "causal_q_longer_d80": True,
+        "causal_k_longer_batch2_d96": True,
         "self_fed_ragged_batch2": True,
     }
 
@@ -925,13 +926,13 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
         assert "output_operand_aliases" in text, bp
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads):
-    """Without a mask or GQA the fused backward lowers without a memory warpgroup, so no registers
-    move between warpgroups (no ``setmaxnreg``), and with hardware barriers between its two; with
-    GQA the memory warpgroup and the mbarriers stay."""
+@pytest.mark.parametrize("kv_heads, causal", [(2, False), (2, True), (1, False)])
+def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads, causal):
+    """Without GQA the fused backward lowers without a memory warpgroup, so no registers move
+    between warpgroups (no ``setmaxnreg``), and with hardware barriers between its two; with GQA
+    the memory warpgroup and the mbarriers stay."""
     case = Case(batch=2, seq_q=1024, seq_k=1024, heads=2, kv_heads=kv_heads, dim=128,
-                dtype=jnp.bfloat16)  # fmt: skip
+                dtype=jnp.bfloat16, causal=causal)  # fmt: skip
     x = jax.eval_shape(lambda: _inputs(case, 0))
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     bp = _fused_bwd(64, 128)

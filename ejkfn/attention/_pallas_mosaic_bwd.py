@@ -27,10 +27,9 @@ keys) together, and adds that float32 half into a dQ accumulator in global memor
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
 it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal (see
-benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked. Without a
-mask or GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have released
-the slot, and the compute warpgroups keep the registers a memory warpgroup would hold
-(``_Geom.self_fed``).
+benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked. Without
+GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have released the slot,
+and the compute warpgroups keep the registers a memory warpgroup would hold (``_Geom.self_fed``).
 
 Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
 work together read the same stream from L2) except causal below 16k keys, where heads fastest evens
@@ -223,12 +222,13 @@ class _Geom:
     def self_fed(self) -> bool:
         """Whether the fused kernel's compute warpgroups issue the ring's copies themselves, with no
         memory warpgroup: each thread may then hold 255 registers instead of 240, and the 152 bytes
-        ptxas spilled went to none. Without a mask or GQA, one tile a CTA. Forward+backward against
-        the kernel with a memory warpgroup: 1.00-1.06x on an H100 at 4x2048, 4x4096, 2x8192,
-        2x16384, 1x32768 and 1x3000 x16x128 over three runs, 1.00-1.02x on an H200; with GQA
-        (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
+        ptxas spilled went to none. Without GQA, one tile a CTA. Forward+backward against the
+        kernel with a memory warpgroup: 1.00-1.06x on an H100 at 4x2048, 4x4096, 2x8192, 2x16384,
+        1x32768 and 1x3000 x16x128 over three runs, 1.00-1.02x on an H200; causal 1.03-1.21x on an
+        H100 and 1.02-1.05x on an H200 at 4x4096, 2x8192, 2x16384 and 1x32768 (twentieth round);
+        with GQA (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
         (benchmarks/NOTES.md, seventeenth round)."""
-        return self.fused and not self.causal and self.group == 1 and not self.persistent[0]
+        return self.fused and self.group == 1 and not self.persistent[0]
 
     @property
     def early_dv(self) -> bool:
@@ -462,16 +462,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             b, kvh, tile_base, first, per_head = tile(t)
             key_base = tile_base + wg * WG_ROWS
             keys = (b, pl.ds(key_base, WG_ROWS), kvh)
-            if g.self_fed:  # a self-fed tile streams every query block of its one head
+            if g.self_fed:  # a self-fed tile streams the query blocks of its one head from first
 
                 def issue(n: Any) -> None:
-                    """Warpgroup 0 copies query block ``n`` (if there is one) into its ring slot.
-                    Python numbers only in here: constants closed over by a ``pl.when`` branch
-                    fail Mosaic GPU's lowering."""
+                    """Warpgroup 0 copies the stream's block ``n`` (if there is one) into its ring
+                    slot. Python numbers only in here: constants closed over by a ``pl.when``
+                    branch fail Mosaic GPU's lowering."""
 
-                    @pl.when((wg == 0) & (n < g.q_blocks))
+                    @pl.when((wg == 0) & (n < per_head))
                     def _() -> None:
-                        copy_block(b, kvh, pl.ds(n * bq, bq), lax.rem(n, slots))
+                        copy_block(b, kvh, pl.ds((first + n) * bq, bq), lax.rem(n, slots))
 
                 # The first slots but one now; each block's start issues the next.
                 for n in range(slots - 1):
@@ -609,7 +609,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             zero = _acc(WG_ROWS, g.dpad)
             dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
             if g.self_fed:  # the last block's release: no barrier phase left unobserved
-                pl.when(wg == 0)(lambda: wait_released((g.q_blocks - 1) % slots))
+                last = lax.rem(per_head - 1, slots)
+                pl.when((wg == 0) & (per_head > 0))(lambda: wait_released(last))
 
             if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
                 if hardware:
