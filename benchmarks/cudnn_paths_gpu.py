@@ -1,0 +1,118 @@
+"""Our ``cudnn`` platform beside ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
+
+Three ways to the same cuDNN kernels, timed side by side in one run (the table's method:
+:func:`attention.interleaved_ms`, 20 ms batches after 20 ms of settling): ``jax.nn`` as the README's
+cuDNN row calls it, ``jax.nn`` asked for its softmax statistics as well (what our backend asks for,
+since the backward needs the log-sum-exp), and ``ejkfn.flash_attention(platform="cudnn")``. For each
+compiled program it also lists the cuDNN custom calls, to show that our backward's second forward
+(``jax.vjp`` inside it) is merged with the first.
+
+    python3 benchmarks/cudnn_paths_gpu.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention import Case, fwd_bwd, inputs, interleaved_ms, parse_shapes, save_rows
+
+import ejkfn
+from ejkfn.attention import AttentionConfig
+
+BASELINE = "jax.nn"
+
+
+def paths(causal: bool) -> dict[str, Any]:
+    def plain(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+    def with_statistics(q, k, v):
+        out, _ = jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn", return_residual=True
+        )
+        return out
+
+    cfg = AttentionConfig(platform="cudnn", variant="cudnn")
+
+    def ours(q, k, v):
+        return ejkfn.flash_attention(q, k, v, causal=causal, cfg=cfg)
+
+    return {BASELINE: plain, "jax.nn with statistics": with_statistics, "ejkfn cudnn": ours}
+
+
+def cudnn_calls(compiled_text: str) -> list[str]:
+    """The cuDNN custom-call targets of a compiled program, in order."""
+    marker = 'custom_call_target="__cudnn'
+    return [
+        line.split("custom_call_target=")[1].split(",")[0].strip('"')
+        for line in compiled_text.splitlines()
+        if marker in line
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--shapes",
+        default="2x8192x16x128,4x4096x16x128,2x8192x32x128x8,8x2048x32x64",
+        help="BxSxHxD or BxSxHxDxKVH, comma-separated",
+    )
+    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", default="", help="folder for the results' JSON")
+    args = parser.parse_args()
+    causal_options = {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+    rows: list[dict[str, Any]] = []
+    for b, s, h, kvh, d in parse_shapes(args.shapes):
+        for causal in causal_options:
+            case = Case(b, s, h, kvh, d, causal)
+            sets = [inputs(case, seed) for seed in range(2)]
+            for backward in (False, True):
+                fns = {
+                    name: jax.jit(fwd_bwd(fn) if backward else fn)
+                    for name, fn in paths(causal).items()
+                }
+                arg_sets = [x if backward else x[:3] for x in sets]
+                calls = {}
+                for name, fn in fns.items():
+                    calls[name] = cudnn_calls(fn.lower(*arg_sets[0]).compile().as_text())
+                    jax.block_until_ready(fn(*arg_sets[0]))
+                timed = interleaved_ms(fns, arg_sets, args.calls, args.rounds, min_batch_ms=20)
+                base = statistics.median(timed[BASELINE])
+                for name, ms_list in timed.items():
+                    ms = statistics.median(ms_list)
+                    rows.append(
+                        dict(
+                            case=case.name,
+                            pass_="fwd+bwd" if backward else "fwd",
+                            impl=name,
+                            cudnn_calls=calls[name],
+                            ms=ms,
+                            tflops=case.flops(backward) / ms / 1e9,
+                            vs_jax_nn=base / ms,
+                            spread=max(ms_list) / min(ms_list),
+                        )
+                    )
+    print(f"\n| case | pass | impl | TFLOP/s | vs {BASELINE} | cuDNN calls |\n|{'---|' * 6}")
+    for r in rows:
+        print(
+            f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['tflops']:.0f} | "
+            f"{r['vs_jax_nn']:.3f} | {', '.join(r['cudnn_calls'])} |"
+        )
+    if args.out:
+        save_rows(args.out, "cudnn_paths", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
