@@ -544,15 +544,15 @@ MOSAIC_FUSED_CASES = {
 
 
 def test_mosaic_fused_backward_feeds_itself_only_without_gqa():
-    """The fused cases above cover both ways of filling the ring: by a memory warpgroup (GQA, a
-    persistent grid) and by the compute warpgroups themselves (with and without a mask)."""
+    """The fused cases above cover both ways of filling the ring: by a memory warpgroup (GQA) and
+    by the compute warpgroups themselves (with and without a mask), on either grid."""
     fed = {}
     for name, (case, bp) in MOSAIC_FUSED_CASES.items():
         x = jax.eval_shape(lambda case=case: _inputs(case, 0))
         g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
         fed[name] = g.self_fed
         persistent = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, (True, True))
-        assert not persistent.self_fed, name
+        assert persistent.self_fed == g.self_fed, name
     assert fed == {
         "causal_gqa_ragged": False,
         "gqa_ragged": False,
@@ -593,16 +593,21 @@ def _assert_same_results(got: list, want: list, fused: bool) -> None:
 
 @pytest.mark.parametrize(
     "name, bwd_name",
-    [("causal_gqa_ragged_d64", None), ("causal_gqa_ragged", "fused")],
+    [
+        ("causal_gqa_ragged_d64", None),
+        ("causal_gqa_ragged", "fused"),
+        ("self_fed_ragged_batch2", "fused"),
+        ("causal_k_longer_batch2_d96", "fused"),
+    ],
 )
 def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
     """The persistent grids (three CTAs in the interpreter: several tiles each, rounds walked both
     ways, rings and barrier phases carried from tile to tile) give what one CTA per tile gives."""
     case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
     x = _inputs(case, 3)
-    assert (
-        _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).dq_rounds.tiles > 3
-    )  # several tiles per CTA
+    g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
+    # several tiles per CTA
+    assert (g.dkdv_rounds if g.fused else g.dq_rounds).tiles > 3
     persistent, one_tile = (
         _mosaic_fwd_bwd(case, bp, x, persistent) for persistent in (True, False)
     )

@@ -222,13 +222,15 @@ class _Geom:
     def self_fed(self) -> bool:
         """Whether the fused kernel's compute warpgroups issue the ring's copies themselves, with no
         memory warpgroup: each thread may then hold 255 registers instead of 240, and the 152 bytes
-        ptxas spilled went to none. Without GQA, one tile a CTA. Forward+backward against the
+        ptxas spilled went to none. Without GQA. Forward+backward against the
         kernel with a memory warpgroup: 1.00-1.06x on an H100 at 4x2048, 4x4096, 2x8192, 2x16384,
         1x32768 and 1x3000 x16x128 over three runs, 1.00-1.02x on an H200; causal 1.03-1.21x on an
         H100 and 1.02-1.05x on an H200 at 4x4096, 2x8192, 2x16384 and 1x32768 (twentieth round);
         with GQA (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
-        (benchmarks/NOTES.md, seventeenth round)."""
-        return self.fused and self.group == 1 and not self.persistent[0]
+        (benchmarks/NOTES.md, seventeenth round). It runs on the persistent grid too, where ptxas
+        spilled 160-172 bytes instead of 8-12 and forward+backward read 0.90-0.91x one tile a CTA
+        on an H200 (twenty-first round), so by default it takes one tile a CTA."""
+        return self.fused and self.group == 1
 
     @property
     def early_dv(self) -> bool:
@@ -463,19 +465,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             key_base = tile_base + wg * WG_ROWS
             keys = (b, pl.ds(key_base, WG_ROWS), kvh)
             if g.self_fed:  # a self-fed tile streams the query blocks of its one head from first
+                end = start + per_head
 
-                def issue(n: Any) -> None:
-                    """Warpgroup 0 copies the stream's block ``n`` (if there is one) into its ring
-                    slot. Python numbers only in here: constants closed over by a ``pl.when``
-                    branch fail Mosaic GPU's lowering."""
+                def issue(pos: Any) -> None:
+                    """Warpgroup 0 copies the block at stream position ``pos``, if it is this
+                    tile's, into its ring slot. Python numbers only in here: constants closed over
+                    by a ``pl.when`` branch fail Mosaic GPU's lowering."""
 
-                    @pl.when((wg == 0) & (n < per_head))
+                    @pl.when((wg == 0) & (pos < end))
                     def _() -> None:
-                        copy_block(b, kvh, pl.ds((first + n) * bq, bq), lax.rem(n, slots))
+                        rows = pl.ds((first + (pos - start)) * bq, bq)
+                        copy_block(b, kvh, rows, lax.rem(pos, slots))
 
                 # The first slots but one now; each block's start issues the next.
                 for n in range(slots - 1):
-                    issue(jnp.int32(n))
+                    issue(start + n)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's dK and dV have left
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_own, k_ready.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_own, v_ready.at[wg])
@@ -514,12 +518,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
                 cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
                 if g.self_fed:
-                    # Once both warpgroups have released the previous block, its slot takes the
-                    # block slots - 1 ahead: a block's lead, as a memory warpgroup would give it.
-                    @pl.when((wg == 0) & (t >= 1))
-                    def _() -> None:
-                        wait_released(lax.rem(t + (slots - 1), slots))
-
+                    # Once both warpgroups have released the previous block (the kernel's start
+                    # counts as one), its slot takes the block slots - 1 ahead: a block's lead, as
+                    # a memory warpgroup would give it. No condition on the block's place in the
+                    # tile: a test more in the loop made ptxas spill 160 bytes instead of 12.
+                    pl.when(wg == 0)(lambda: wait_released(lax.rem(t + (slots - 1), slots)))
                     issue(t + (slots - 1))
                 plgpu.barrier_wait(block_ready.at[slot])
 
@@ -608,10 +611,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
             zero = _acc(WG_ROWS, g.dpad)
             dk, dv = lax.fori_loop(0, g.group, head, (zero, zero))
-            if g.self_fed:  # the last block's release: no barrier phase left unobserved
-                last = lax.rem(per_head - 1, slots)
-                pl.when((wg == 0) & (per_head > 0))(lambda: wait_released(last))
-
             if g.fused:  # K is overwritten below: the neighbour's last dQ product must have read it
                 if hardware:
                     hardware_barrier("sync", _K_READ, both)
@@ -625,7 +624,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.copy_smem_to_gmem(v_own, dv_ref.at[keys])
             return start + per_head * g.group
 
-        lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
+        if g.self_fed:  # stands for the release of the block before the first
+            release(jnp.int32(slots - 1))
+        streamed = lax.fori_loop(0, my_tiles, run_tile, jnp.int32(0))
+        if g.self_fed:  # the last block's release: no barrier phase left unobserved
+            pl.when(wg == 0)(lambda: wait_released(lax.rem(streamed + (slots - 1), slots)))
         plgpu.wait_smem_to_gmem(0)
 
     def _memory() -> None:
