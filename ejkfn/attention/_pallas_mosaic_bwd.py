@@ -115,7 +115,9 @@ FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column hal
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 # The self-fed kernel's hardware barriers: a dS^T half stored (one per buffer and waiting
 # warpgroup: a warpgroup a block ahead must not complete the neighbour's barrier on its own), a ring
-# slot released by warpgroup 1, K read by both.
+# slot released by warpgroup 1, K read by both. A hardware barrier counts arrivals, not phases: one
+# release barrier is safe only because the dS^T exchange keeps warpgroup 1 within a block of
+# warpgroup 0 (without it the GPU hung twice; benchmarks/NOTES.md, twentieth and twenty-first rounds).
 _DS_STORED = FIRST_FREE_BARRIER
 _RELEASED = _DS_STORED + 4
 _K_READ = _RELEASED + 1
