@@ -56,6 +56,7 @@ from attention import (
 )
 from check_mosaic_bwd_gpu import ours, rel_err
 
+import ejkfn
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
@@ -107,14 +108,19 @@ def implementations(
     whole_tail: bool = False,
     four_memory_warps: bool = False,
     other_fwds: dict[str, ModuleType] | None = None,
+    auto: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
-    each Mosaic backward that takes the shape."""
+    each Mosaic backward that takes the shape; with ``auto``, also ``ejkfn.flash_attention`` as a
+    user calls it (``platform="auto"``: the shipped config for this GPU and shape)."""
 
     def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
         return jax.nn.dot_product_attention(q, k, v, is_causal=case.causal, implementation=impl)
+
+    def selected(q, k, v):
+        return ejkfn.flash_attention(q, k, v, causal=case.causal)
 
     spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
     q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
@@ -131,6 +137,8 @@ def implementations(
 
     if not backward:
         impls = {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
+        if auto:
+            impls["auto"] = jax.jit(selected)
         for fp in fwds:
             name = f"mosaic {fp.kv_blocksize}x{fp.num_stages}"
             name += " cluster of 2" if fp.q_blocksize > 128 else ""
@@ -198,6 +206,8 @@ def implementations(
         return jax.jit(both)
 
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
+    if auto:
+        impls["auto"] = jax.jit(fwd_bwd(selected))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
@@ -243,6 +253,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.whole_tail,
             args.four_memory_warps,
             other_revisions(args.other_fwd, "--other-fwd"),
+            args.auto,
         )
         for row in check_then_time(
             case,
@@ -325,6 +336,9 @@ def main() -> int:
         default="",
         help="other revisions' _pallas_mosaic.py, comma-separated, whose forwards to time beside "
         "this one's",
+    )
+    parser.add_argument(
+        "--auto", action="store_true", help="also ejkfn.flash_attention as shipped (platform auto)"
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
