@@ -59,17 +59,43 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shapes", default=None, help="BxSxHxD[xKVH],... (default: the built-in list)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds the timed calls split into"
+    )
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="PLATFORM/VARIANT,... whose candidates to time (default: every native backend); "
+        "e.g. cudnn/cudnn,pallas/mosaic where the portable kernels are far behind",
+    )
+    p.add_argument(
         "--install", nargs="+", default=None, help="cache folders to merge into the package"
     )
     return p.parse_args()
 
 
-def pruned_candidates(shape: AttentionShape, per_backend: int) -> list[AttentionConfig]:
-    """Each native backend's heuristic config, then a fixed random draw of its other candidates."""
+def chosen_backends(text: str | None) -> set[str] | None:
+    """``--backends``' names (``platform/variant``), each checked against the registered ones."""
+    if text is None:
+        return None
+    known = {f"{b.platform}/{b.variant}" for b in registered_backends()}
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - known)
+    if unknown or not names:
+        raise SystemExit(f"--backends {text!r}: unknown {unknown}; registered: {sorted(known)}")
+    return names
+
+
+def pruned_candidates(
+    shape: AttentionShape, per_backend: int, backends: set[str] | None = None
+) -> list[AttentionConfig]:
+    """Each native backend's heuristic config, then a fixed random draw of its other candidates;
+    only the ``backends`` named (``platform/variant``) where given."""
     rng = random.Random(0)
     kind = ejkfn.device_kind()
     cfgs: list[AttentionConfig] = []
     for backend in registered_backends():
+        if backends is not None and f"{backend.platform}/{backend.variant}" not in backends:
+            continue
         if kind not in backend.devices or not backend.available():
             continue
         if shape.spec.features & backend.unsupported or backend.variant == "dense":
@@ -133,12 +159,14 @@ def tune(args: argparse.Namespace) -> None:
     tuner = ejkfn.Tuner(
         warmup=2,
         iters=args.iters,
+        rounds=args.rounds,
         progress=False,
         runoff=RUNOFF,
         min_batch_seconds=BATCH_SECONDS,
         settle_seconds=BATCH_SECONDS,
     )
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
+    backends = chosen_backends(args.backends)
     log: list[dict[str, Any]] = []
     for batch, seq, heads, kv_heads, dim in shapes:
         for causal in (False, True):
@@ -151,7 +179,7 @@ def tune(args: argparse.Namespace) -> None:
                 k,
             )
             spec = AttentionSpec(scale=dim**-0.5, causal=causal)
-            cfgs = pruned_candidates(AttentionShape.of(q, k, spec), args.per_backend)
+            cfgs = pruned_candidates(AttentionShape.of(q, k, spec), args.per_backend, backends)
             start = time.perf_counter()
             report = tuner.tune(inv, cfgs, validate_backward=True)
             name = f"{batch}x{seq}x{heads}/{kv_heads}x{dim}{' causal' if causal else ''}"
