@@ -8,7 +8,7 @@ the fastest under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
 It then times the same candidates forward alone; where another one's forward is the fastest by more
-than 3%, the stored config carries it as its ``inference`` config (calls that nothing differentiates
+than ``INFERENCE_MARGIN`` (1%), the stored config carries it as its ``inference`` config (calls that nothing differentiates
 run it).
 
 Installing (anywhere): ``--install FOLDER...`` merges such folders into ``ejkfn/_shipped``, the read-only
@@ -117,7 +117,12 @@ def pruned_candidates(
     return cfgs
 
 
-INFERENCE_MARGIN = 0.03  # two timings of one forward differed by up to 4% in the tuner's runs
+# A forward that beats the training config's own by more than this ships as the inference config.
+# Switching forwards costs nothing at run time, so the margin only keeps coin flips out. At 3% it
+# kept cuDNN's forward at long shapes where every tune read the Mosaic forward 1-3.6% ahead and the
+# side-by-side runs 3-6% ahead, which left `auto` 4-6% behind (benchmarks/NOTES.md, twenty-second
+# round).
+INFERENCE_MARGIN = 0.01
 # Candidates within this of the fastest are timed again with twice the calls: cuDNN and the Mosaic
 # pair were within 1% of each other at several shapes, where one tune's pick read 2-4% behind in the
 # next table (benchmarks/NOTES.md, fourteenth round).

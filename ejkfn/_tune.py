@@ -325,16 +325,19 @@ class Tuner:
         notes: list[str] = []
 
         backward = validate_backward
+        timed_args: tuple[Any, ...] = (dynamic,)
         if backward:
             try:
-                jax.jit(_loss_and_grad(kernel, candidates[0], static)).lower(dynamic)
+                weights = _loss_weights(kernel, candidates[0], static, dynamic, self.seed)
+                jax.jit(_loss_and_grad(kernel, candidates[0], static)).lower(dynamic, weights)
+                timed_args = (dynamic, weights)
             except Exception as exc:  # not differentiable: time the forward alone
                 backward = False
                 notes.append(f"backward not timed, forward only ({_short(exc)})")
 
-        def build(cfg: Any) -> Callable[[list[Any]], Any]:
+        def build(cfg: Any) -> Callable[..., Any]:
             fn = _loss_and_grad(kernel, cfg, static) if backward else _forward(kernel, cfg, static)
-            return jax.jit(fn).lower(dynamic).compile()
+            return jax.jit(fn).lower(*timed_args).compile()
 
         from tqdm import tqdm  # the terminal bar: tqdm.auto warns in notebooks without widgets
 
@@ -357,7 +360,7 @@ class Tuner:
                 except Exception as exc:
                     results[i] = CandidateResult(candidates[i], error=_short(exc), phase="compile")
                 bar.update(1)
-        fns = {i: functools.partial(compiled[i], dynamic) for i in sorted(compiled)}
+        fns = {i: functools.partial(compiled[i], *timed_args) for i in sorted(compiled)}
         timed = self.timings(fns)
         runoff = self.runoff_timings(fns, timed)
         if runoff:
@@ -389,25 +392,40 @@ def _forward(kernel: Kernel, cfg: Any, static: Any) -> Callable[[list[Any]], Any
     return forward
 
 
-def _loss_and_grad(kernel: Kernel, cfg: Any, static: Any) -> Callable[[list[Any]], Any]:
+def _float_outputs(out: Any) -> list[Any]:
+    return [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.inexact)]
+
+
+def _loss_weights(
+    kernel: Kernel, cfg: Any, static: Any, dynamic: list[Any], seed: int
+) -> list[jax.Array]:
+    """Random weights, one array per floating output, that make the timed loss's cotangents random.
+
+    A plain ``sum`` of the outputs hands the backward a cotangent of ones, which training never
+    does: XLA may fold a constant cotangent into the backward's first fusions, and on a power-capped
+    GPU a kernel's clock follows the power its data draws. Random weights time what training runs.
+    """
+    shapes = _float_outputs(jax.eval_shape(_forward(kernel, cfg, static), dynamic))
+    keys = jax.random.split(jax.random.key(seed + 1), max(len(shapes), 1))
+    return [jax.random.normal(k, o.shape, jnp.float32) for k, o in zip(keys, shapes, strict=False)]
+
+
+def _loss_and_grad(kernel: Kernel, cfg: Any, static: Any) -> Callable[..., Any]:
     forward = _forward(kernel, cfg, static)
 
-    def loss(dynamic: list[Any]) -> jax.Array:
-        out = forward(dynamic)
-        return sum(
-            jnp.sum(o.astype(jnp.float32))
-            for o in jax.tree.leaves(out)
-            if jnp.issubdtype(o.dtype, jnp.inexact)
-        )
+    def loss(dynamic: list[Any], weights: list[jax.Array]) -> jax.Array:
+        outs = _float_outputs(forward(dynamic))
+        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights, strict=True))
 
-    def value_and_grad(dynamic: list[Any]) -> Any:
+    def value_and_grad(dynamic: list[Any], weights: list[jax.Array]) -> Any:
         # Differentiate with respect to floating arrays only; the rest ride along as constants.
         is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in dynamic]
         floats = [x for x, f in zip(dynamic, is_float, strict=True) if f]
 
         def of_floats(fl: list[Any]) -> jax.Array:
             it = iter(fl)
-            return loss([next(it) if f else x for x, f in zip(dynamic, is_float, strict=True)])
+            merged = [next(it) if f else x for x, f in zip(dynamic, is_float, strict=True)]
+            return loss(merged, weights)
 
         return jax.value_and_grad(of_floats)(floats)
 

@@ -464,6 +464,31 @@ def test_validate_backward_times_forward_and_backward():
     assert d.tune.backward is True and d.tune.notes == ()
 
 
+def test_tuner_times_the_backward_on_a_random_cotangent():
+    # Training never hands the backward the ones of a plain sum; the tuner's loss must not either.
+    seen = []
+
+    @jax.custom_vjp
+    def spied(x):
+        return x
+
+    def spied_bwd(_, g):
+        jax.debug.callback(lambda a: seen.append(np.asarray(a)), g)
+        return (g,)
+
+    spied.defvjp(lambda x: (x, None), spied_bwd)
+
+    class Spy(Scale):
+        name = "spy_cotangent"
+
+        def run(self, x, *, cfg):
+            return spied(x) * 2
+
+    report = FAST.tune(inv_of(Spy()), [ScaleCfg(block=1)], validate_backward=True)
+    assert report.backward and seen
+    assert all(a.shape == X.shape and len(np.unique(a)) == a.size for a in seen)
+
+
 class NotDifferentiable(Scale):
     name = "not_differentiable"
 
