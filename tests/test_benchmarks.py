@@ -121,6 +121,30 @@ def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)], margin=0.03) is train
 
 
+def test_tune_shipped_times_each_forward_once():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import distinct_forwards, with_inference
+
+    from ejkfn import BwdParams, FwdParams
+    from ejkfn.attention import AttentionConfig
+
+    cudnn = AttentionConfig(platform="cudnn", variant="cudnn")
+    fused = AttentionConfig(
+        platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=128), bwd=BwdParams()
+    )
+    split = AttentionConfig(  # the same forward as ``fused``: only the backward's blocks differ
+        platform="pallas",
+        variant="mosaic",
+        fwd=FwdParams(kv_blocksize=128),
+        bwd=BwdParams(q_blocksize=32),
+    )
+    small = AttentionConfig(platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=64))
+    assert distinct_forwards([cudnn, fused, split, small]) == [cudnn, fused, small]
+    # ``split`` trains; its forward was timed as ``fused``'s, and is the fastest: nothing to add
+    assert with_inference(split, [(cudnn, 1.1), (fused, 1.0)]) is split
+    assert with_inference(cudnn, [(cudnn, 1.1), (fused, 1.0)]).inference == fused
+
+
 def test_portable_sweep_times_fitting_configs_beside_the_heuristic():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from attention import Case
