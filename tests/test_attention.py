@@ -217,38 +217,44 @@ def _cfg(backend: AttentionBackend, case: Case) -> AttentionConfig:
     )
 
 
-def _segments(key: jax.Array, batch: int, seq: int) -> jax.Array:
+def _segments(rng: np.random.Generator, batch: int, seq: int) -> jax.Array:
     """Packed-sequence ids: non-decreasing runs per row."""
-    starts = jax.random.bernoulli(key, 0.15, (batch, seq)).astype(jnp.int32)
-    return jnp.cumsum(starts, axis=1)
+    return jnp.asarray(np.cumsum(rng.random((batch, seq)) < 0.15, axis=1, dtype=np.int32))
 
 
 def _inputs(case: Case, key: jax.Array) -> dict[str, Any]:
-    ks = jax.random.split(key, 9)
+    """Random inputs for ``case`` from ``key``, drawn with NumPy: eager ``jax.random`` calls compile
+    anew for every shape, which took most of the property tests' time."""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
     dt = jnp.dtype(case.dtype)
     b, sq, sk, h, kvh, d = case.batch, case.seq_q, case.seq_k, case.heads, case.kv_heads, case.dim
+
+    def normal(*shape: int) -> jax.Array:
+        return jnp.asarray(rng.standard_normal(shape, np.float32).astype(dt))
+
     inputs: dict[str, Any] = {
-        "q": jax.random.normal(ks[0], (b, sq, h, d), dt),
-        "k": jax.random.normal(ks[1], (b, sk, kvh, d), dt),
-        "v": jax.random.normal(ks[2], (b, sk, kvh, d), dt),
+        "q": normal(b, sq, h, d),
+        "k": normal(b, sk, kvh, d),
+        "v": normal(b, sk, kvh, d),
         "bias": None,
         "mask": None,
         "q_seg": None,
         "kv_seg": None,
         "seed": None,
-        "dout": jax.random.normal(ks[3], (b, sq, h, d), dt),
+        "dout": normal(b, sq, h, d),
     }
     if case.bias is not None:
-        inputs["bias"] = jax.random.normal(ks[4], _bias_shape(case), dt)
+        inputs["bias"] = normal(*_bias_shape(case))
     if case.mask:
-        mask = jax.random.bernoulli(ks[5], 0.8, (b, 1, sq, sk))
-        inputs["mask"] = mask.at[0, :, sq // 2, :].set(False)  # a row that sees nothing
+        mask = rng.random((b, 1, sq, sk)) < 0.8
+        mask[0, :, sq // 2, :] = False  # a row that sees nothing
+        inputs["mask"] = jnp.asarray(mask)
     if case.segments:
-        q_seg = _segments(ks[6], b, sq)
+        q_seg = _segments(rng, b, sq)
         inputs["q_seg"] = q_seg
-        inputs["kv_seg"] = _segments(ks[7], b, sk) if sk != sq else q_seg
+        inputs["kv_seg"] = _segments(rng, b, sk) if sk != sq else q_seg
     if case.dropout:
-        inputs["seed"] = jax.random.bits(ks[8], (), jnp.uint32)
+        inputs["seed"] = jnp.asarray(rng.integers(0, 2**32, dtype=np.uint32))
     return inputs
 
 
@@ -326,7 +332,7 @@ def _reference(case: Case, x: dict[str, Any]) -> tuple[np.ndarray, tuple[Any, ..
 
 
 def _close(name: str, got: Any, want: Any, tol: tuple[float, float]) -> None:
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    got = np.asarray(got).astype(np.float64)
     assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
     assert np.all(np.isfinite(got)), f"{name}: non-finite values"
     atol, rtol = tol

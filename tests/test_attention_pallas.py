@@ -28,6 +28,9 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
+# The dense reference, jitted: eagerly, each of its operations would compile on its own.
+_reference = jax.jit(reference_attention, static_argnames="spec")
+
 # max |got - want| / max |want|, per dtype (inputs are rounded to the dtype before the f32 reference)
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.5e-2, jnp.float16: 4e-3}
 
@@ -64,34 +67,39 @@ class Case:
         )
 
 
-def _inputs(case: Case, seed: int) -> dict:
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    b, sq, sk, h, kvh, d = (
-        case.batch,
-        case.seq_q,
-        case.seq_k,
-        case.heads,
-        case.kv_heads,
-        case.dim,
-    )
-
-    def normal(shape):
-        return jax.random.normal(next(keys), shape, jnp.float32).astype(case.dtype)
-
-    x = dict(q=normal((b, sq, h, d)), k=normal((b, sk, kvh, d)), v=normal((b, sk, kvh, d)))
-    x["dout"] = normal((b, sq, h, d))
-    x["bias"] = (
-        None if case.bias is None else 2.0 * normal((*case.bias, sq, sk)).astype(jnp.float32)
-    )
-    x["mask"] = (
-        None if case.mask is None else jax.random.bernoulli(next(keys), 0.75, (*case.mask, sq, sk))
-    )
-    x["q_seg"] = x["kv_seg"] = None
-    if case.segments:  # a few packed documents per row, same layout for q and k
-        x["q_seg"] = jnp.sort(jax.random.randint(next(keys), (b, sq), 0, 3), axis=1)
-        x["kv_seg"] = jnp.sort(jax.random.randint(next(keys), (b, sk), 0, 3), axis=1)
-    x["seed"] = jnp.uint32(987654321) if case.dropout else None
+def _abstract_inputs(case: Case) -> dict:
+    """The shapes and dtypes of ``case``'s inputs (what lowering needs), nothing drawn."""
+    b, sq, sk = case.batch, case.seq_q, case.seq_k
+    sds = jax.ShapeDtypeStruct
+    q = sds((b, sq, case.heads, case.dim), case.dtype)
+    kv = sds((b, sk, case.kv_heads, case.dim), case.dtype)
+    x = dict(q=q, k=kv, v=kv, dout=q)
+    x["bias"] = None if case.bias is None else sds((*case.bias, sq, sk), jnp.float32)
+    x["mask"] = None if case.mask is None else sds((*case.mask, sq, sk), jnp.bool_)
+    x["q_seg"] = sds((b, sq), jnp.int32) if case.segments else None
+    x["kv_seg"] = sds((b, sk), jnp.int32) if case.segments else None
+    x["seed"] = sds((), jnp.uint32) if case.dropout else None
     return x
+
+
+def _inputs(case: Case, seed: int) -> dict:
+    """Random inputs for ``case``, drawn with NumPy: eager ``jax.random`` calls compile anew for
+    every shape, about a second a case."""
+    rng = np.random.default_rng(seed)
+
+    def draw(name, like):
+        if like is None:
+            return None
+        if name == "mask":
+            return jnp.asarray(rng.random(like.shape) < 0.75)
+        if name in ("q_seg", "kv_seg"):  # a few packed documents per row
+            return jnp.asarray(np.sort(rng.integers(0, 3, like.shape, np.int32), axis=1))
+        if name == "seed":
+            return jnp.uint32(987654321)
+        x = rng.standard_normal(like.shape, np.float32).astype(jnp.dtype(case.dtype))
+        return jnp.asarray((2.0 * x.astype(np.float32)) if name == "bias" else x)
+
+    return {name: draw(name, like) for name, like in _abstract_inputs(case).items()}
 
 
 def _err(got, want) -> float:
@@ -208,7 +216,9 @@ def test_triton_default_params_and_custom_vjp():
         x["q"], x["k"], x["v"]
     )
     ref = functools.partial(lambda q, k, v: reference_attention(q, k, v, spec=spec)[0])
-    want = jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2))(x["q"], x["k"], x["v"])
+    want = jax.jit(jax.grad(functools.partial(loss, ref), argnums=(0, 1, 2)))(
+        x["q"], x["k"], x["v"]
+    )
     for a, b in zip(got, want, strict=True):
         assert _err(a, b) < 4e-5
 
@@ -220,7 +230,7 @@ def test_triton_vmap():
     f = functools.partial(_pallas_gpu.fwd, spec=case.spec, params=SMALL_FWD)
     out, lse = jax.jit(jax.vmap(f))(q, k, v)
     for i in range(2):
-        want, want_lse = reference_attention(q[i], k[i], v[i], spec=case.spec)
+        want, want_lse = _reference(xs[i]["q"], xs[i]["k"], xs[i]["v"], spec=case.spec)
         assert _err(out[i], want) < 2e-5
         assert _err(lse[i], want_lse) < 2e-5
 
@@ -234,7 +244,7 @@ TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 
 def _lower(module, case: Case, device, platform: str, fp=None, bp=None) -> str:
     """Lower fwd and bwd of ``module`` for ``platform``; returns the fwd module text."""
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     spec = case.spec
     f = functools.partial(module.fwd, spec=spec, params=fp, interpret=False)
@@ -375,7 +385,7 @@ def test_mosaic_forward_in_gpu_interpreter(case, q_rows):
     x = _inputs(case, 2)
     params = FwdParams(q_blocksize=q_rows, kv_blocksize=64, num_stages=2)
     out, lse = _pallas_mosaic.fwd(x["q"], x["k"], x["v"], spec=case.spec, params=params)
-    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    want, want_lse = _reference(x["q"], x["k"], x["v"], spec=case.spec)
     assert _err(out, want) < TOL[case.dtype]
     finite = np.isfinite(np.asarray(want_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
@@ -397,7 +407,7 @@ def test_mosaic_forward_copy_loop_on_one_warp_or_four():
     )  # fmt: skip
     for a, b in zip(one, four, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    want, _ = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    want, _ = _reference(x["q"], x["k"], x["v"], spec=case.spec)
     assert _err(one[0], want) < TOL[case.dtype]
 
 
@@ -421,7 +431,7 @@ def test_mosaic_cluster_forward_lowers_for_cuda():
 
 def test_mosaic_forward_refuses_other_query_rows():
     case = MOSAIC_CASES["f16_d64"]
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     params = FwdParams(q_blocksize=192, kv_blocksize=128, num_stages=2)
     with pytest.raises(ValueError, match="q_blocksize=192"):
         jax.eval_shape(
@@ -441,7 +451,7 @@ def test_mosaic_forward_refuses_other_query_rows():
     ],
 )
 def test_mosaic_refuses(case, match):
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     with pytest.raises(NotImplementedError, match=match):
         backend = backend_for("pallas", "mosaic")
@@ -503,7 +513,7 @@ def test_mosaic_backward_cases_cover_both_dv_orders():
     for name, (case, bp) in MOSAIC_BWD_CASES.items():
         if bp.variant is None:
             continue
-        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        x = _abstract_inputs(case)
         orders[name] = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).early_dv
     assert orders == {
         "causal_gqa_ragged_d64": True,
@@ -548,7 +558,7 @@ def test_mosaic_fused_backward_feeds_itself_only_without_gqa():
     by the compute warpgroups themselves (with and without a mask), on either grid."""
     fed = {}
     for name, (case, bp) in MOSAIC_FUSED_CASES.items():
-        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        x = _abstract_inputs(case)
         g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
         fed[name] = g.self_fed
         persistent = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, (True, True))
@@ -729,7 +739,7 @@ def test_mosaic_forward_split_tail_in_gpu_interpreter(case, pieces, scatter, mon
     )
     (tail,) = merged  # only the split forward merged pieces
     assert tail.ctas == 3 and tail.table()[0].shape[1] == pieces
-    want, want_lse = reference_attention(x["q"], x["k"], x["v"], spec=case.spec)
+    want, want_lse = _reference(x["q"], x["k"], x["v"], spec=case.spec)
     assert _err(split[0], want) < TOL[case.dtype]
     np.testing.assert_allclose(np.asarray(split[1]), np.asarray(want_lse), atol=1e-3)
     np.testing.assert_allclose(
@@ -777,7 +787,7 @@ def test_mosaic_tile_order_rule():
     assert not rule(True, 8192, 8192)
     for name, want in (("causal_gqa_ragged_d64", False), ("gqa_d128_q128_ragged", True)):
         case, bp = MOSAIC_BWD_CASES[name]
-        x = jax.eval_shape(lambda case=case: _inputs(case, 0))
+        x = _abstract_inputs(case)
         assert (
             _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).along_sequence
             is want
@@ -856,7 +866,7 @@ def test_mosaic_backward_choice():
 
 def test_mosaic_backward_refuses():
     case = Case(dtype=jnp.bfloat16, dim=256)
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
 
@@ -878,7 +888,7 @@ def test_mosaic_backward_refuses():
     ):
         with pytest.raises(NotImplementedError, match=match):
             other = Case(dtype=jnp.bfloat16, dim=dim, seq_q=128, seq_k=128)
-            z = jax.eval_shape(lambda other=other: _inputs(other, 0))
+            z = _abstract_inputs(other)
             f = functools.partial(
                 _pallas_mosaic.bwd, spec=other.spec, params=_fused_bwd(*fused_blocks)
             )
@@ -886,7 +896,7 @@ def test_mosaic_backward_refuses():
             jax.eval_shape(f, z["q"], z["k"], z["v"], *args[3:], z["q"], lse128, z["q"])
     with pytest.raises(ValueError, match="kv_blocksize=256"):
         small = Case(dtype=jnp.bfloat16, dim=64)
-        y = jax.eval_shape(lambda: _inputs(small, 0))
+        y = _abstract_inputs(small)
         f = functools.partial(_pallas_mosaic.bwd, spec=small.spec, params=_mosaic_bwd(64, 256))
         jax.eval_shape(f, y["q"], y["k"], y["v"], *args[3:], y["q"], lse, y["q"])
 
@@ -914,7 +924,7 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
     """Every fused backward the tuner may try lowers for a Hopper GPU to one kernel whose dQ goes out
     by TMA reduce-add into an accumulator aliased in place (the path the interpreter cannot take)."""
     case = MOSAIC_CASES[name]
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     shape = AttentionShape.of(x["q"], x["k"], case.spec)
@@ -938,7 +948,7 @@ def test_mosaic_self_fed_backward_lowers_for_cuda(kv_heads, causal):
     the memory warpgroup and the mbarriers stay."""
     case = Case(batch=2, seq_q=1024, seq_k=1024, heads=2, kv_heads=kv_heads, dim=128,
                 dtype=jnp.bfloat16, causal=causal)  # fmt: skip
-    x = jax.eval_shape(lambda: _inputs(case, 0))
+    x = _abstract_inputs(case)
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     bp = _fused_bwd(64, 128)
     assert _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, False, None).self_fed == (

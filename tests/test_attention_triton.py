@@ -92,8 +92,8 @@ def _case(
 
 def _close(name, got, want, tol):
     atol, rtol = tol
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
+    got = np.asarray(got).astype(np.float32)
+    want = np.asarray(want).astype(np.float32)
     assert got.shape == want.shape, (name, got.shape, want.shape)
     assert not np.isnan(got).any(), f"{name}: NaN"
     scale = max(1.0, float(np.max(np.abs(want), initial=0.0)))
@@ -115,18 +115,22 @@ def _check(args, dout, spec, fp=FP, bp=BP):
 
     out, lse, (dq, dk, dv, dbias) = run(q, k, v, bias, dout)
 
-    def ref(q, k, v, bias):
-        return reference_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, spec=spec)
+    @jax.jit  # eagerly, each of the reference's operations would compile on its own
+    def ref(q, k, v, bias, dout):
+        def attend(q, k, v, bias):
+            return reference_attention(q, k, v, bias, mask, q_seg, kv_seg, seed, spec=spec)
 
-    (ref_out, ref_lse), vjp = jax.vjp(ref, q, k, v, bias)
-    ref_dq, ref_dk, ref_dv, ref_dbias = vjp((dout.astype(jnp.float32), jnp.zeros_like(ref_lse)))
+        (out, lse), vjp = jax.vjp(attend, q, k, v, bias)
+        return out, lse, vjp((dout.astype(jnp.float32), jnp.zeros_like(lse)))
+
+    ref_out, ref_lse, (ref_dq, ref_dk, ref_dv, ref_dbias) = ref(q, k, v, bias, dout)
 
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     _close("out", out, ref_out, TOL[dtype])
     finite = np.isfinite(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    _close("lse", jnp.where(finite, lse, 0.0), jnp.where(finite, ref_lse, 0.0), TOL[jnp.float32])
+    _close("lse", np.where(finite, lse, 0.0), np.where(finite, ref_lse, 0.0), TOL[jnp.float32])
     for name, got, want in (("dq", dq, ref_dq), ("dk", dk, ref_dk), ("dv", dv, ref_dv)):
         assert got.dtype == q.dtype
         _close(name, got, want, GRAD_TOL[dtype])
@@ -230,8 +234,9 @@ def test_heuristic_params_under_vmap():
         return tri.fwd(q, k, v, None, None, None, None, None, spec=spec, params=fp)[0]
 
     out = jax.jit(jax.vmap(attend))(stack(q), stack(k), stack(v))
+    reference = jax.jit(lambda q, k, v: reference_attention(q, k, v, spec=spec)[0])
     for i, scale in enumerate((1.0, 0.5)):
-        want = reference_attention(scale * q, scale * k, scale * v, spec=spec)[0]
+        want = reference(scale * q, scale * k, scale * v)
         _close(f"vmap[{i}]", out[i], want, TOL[jnp.float32])
     _check(args, dout, spec, fp=fp, bp=bp)
 

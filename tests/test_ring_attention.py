@@ -39,6 +39,17 @@ def _local(*arrays):
     return tuple(jnp.asarray(np.asarray(x)) for x in arrays)
 
 
+# The single-device reference, jitted: eagerly, each of its operations would compile on its own.
+_attend = jax.jit(reference_attention, static_argnames="spec")
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def _reference(q, k, v, dout, *, spec):
+    """The reference's output and its VJP of ``dout``."""
+    out, vjp = jax.vjp(lambda q, k, v: reference_attention(q, k, v, spec=spec)[0], q, k, v)
+    return out, vjp(dout)
+
+
 def _close(got, want):
     got, want = np.asarray(got), np.asarray(want)
     scale = max(1.0, float(np.abs(want).max()))
@@ -65,20 +76,17 @@ def test_ring_matches_single_device(key, n, heads, kv_heads, causal, window):
     sides = (window, window) if isinstance(window, int) else window
     spec = AttentionSpec(scale=dim**-0.5, causal=causal, window=sides)
 
-    def ref(q, k, v):
-        return reference_attention(q, k, v, spec=spec)[0]
-
     ring = jax.jit(
         functools.partial(
             ring_attention_sharded, mesh=mesh, axis_name="sp", causal=causal, sliding_window=window
         )
     )
     out, vjp = jax.vjp(ring, q, k, v)
-    want, ref_vjp = jax.vjp(ref, *_local(q, k, v))
+    want, want_grads = _reference(*_local(q, k, v, dout), spec=spec)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "sp")), out.ndim)
     _close(out, want)
-    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+    for got, expected in zip(vjp(dout), want_grads, strict=True):
         assert got.shape == expected.shape
         _close(got, expected)
 
@@ -92,10 +100,10 @@ def test_window_narrower_than_a_shard(key):
         functools.partial(ring_attention_sharded, mesh=mesh, axis_name="sp", sliding_window=0)
     )
     out, vjp = jax.vjp(ring, q, k, v)
-    want, ref_vjp = jax.vjp(lambda *a: reference_attention(*a, spec=spec)[0], *_local(q, k, v))
+    want, want_grads = _reference(*_local(q, k, v, dout), spec=spec)
     _close(out, want)  # each query sees only its own key: out == v
     _close(out, v)
-    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+    for got, expected in zip(vjp(dout), want_grads, strict=True):
         assert np.isfinite(np.asarray(got)).all()
         _close(got, expected)
 
@@ -112,9 +120,9 @@ def test_zigzag_causal_matches_single_device(key, n, heads, kv_heads):
         )
     )
     out, vjp = jax.vjp(ring, q, k, v)
-    want, ref_vjp = jax.vjp(lambda *a: reference_attention(*a, spec=spec)[0], *_local(q, k, v))
+    want, want_grads = _reference(*_local(q, k, v, dout), spec=spec)
     _close(out, want)
-    for got, expected in zip(vjp(dout), ref_vjp(*_local(dout)), strict=True):
+    for got, expected in zip(vjp(dout), want_grads, strict=True):
         _close(got, expected)
 
 
@@ -129,7 +137,7 @@ def test_zigzag_inside_shard_map_on_data_held_in_that_order(key):
     )
     sharding = NamedSharding(mesh, spec)
     out = mapped(*(jax.device_put(x[:, order], sharding) for x in _local(q, k, v)))
-    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=0.25, causal=True))[0]
+    want = _attend(*_local(q, k, v), spec=AttentionSpec(scale=0.25, causal=True))[0]
     _close(out, np.asarray(want)[:, order])
 
 
@@ -152,7 +160,7 @@ def test_inside_shard_map_with_explicit_cfg_and_scale(key):
     out = jax.jit(
         jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
     )(q, k, v)
-    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=0.1, causal=True))[0]
+    want = _attend(*_local(q, k, v), spec=AttentionSpec(scale=0.1, causal=True))[0]
     _close(out, want)
 
 
@@ -178,7 +186,7 @@ def test_inference_config_serves_calls_nothing_differentiates(key):
     assert not loops(ring(cfg), q, k, v)
     assert loops(ring(chunked), q, k, v)
     assert loops(functools.partial(grad_q, cfg), q)
-    want = reference_attention(*_local(q, k, v), spec=AttentionSpec(scale=16**-0.5, causal=True))
+    want = _attend(*_local(q, k, v), spec=AttentionSpec(scale=16**-0.5, causal=True))
     _close(jax.jit(ring(cfg))(q, k, v), want[0])
     _close(jax.jit(grad_q, static_argnums=0)(cfg, q), jax.jit(grad_q, static_argnums=0)(chunked, q))
 
