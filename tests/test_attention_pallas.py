@@ -242,20 +242,26 @@ H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platfo
 TPU_V5E = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 
 
-def _lower(module, case: Case, device, platform: str, fp=None, bp=None) -> str:
-    """Lower fwd and bwd of ``module`` for ``platform``; returns the fwd module text."""
+def _lower(
+    module, case: Case, device, platform: str, fp=None, bp=None, fwd=True, bwd=True
+) -> str | None:
+    """Lower fwd and bwd of ``module`` for ``platform`` (or one of them: a lowering takes seconds);
+    returns the fwd module text."""
     x = _abstract_inputs(case)
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     spec = case.spec
     f = functools.partial(module.fwd, spec=spec, params=fp, interpret=False)
     b = functools.partial(module.bwd, spec=spec, params=bp, interpret=False)
     mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    text = None
     with use_abstract_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-        out = jax.ShapeDtypeStruct(x["q"].shape, x["q"].dtype)
-        lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
-        jax.jit(b).trace(*args, out, lse, out).lower(lowering_platforms=(platform,))
+        if fwd:
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        if bwd:
+            out = x["q"]
+            lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+            jax.jit(b).trace(*args, out, lse, out).lower(lowering_platforms=(platform,))
     return text
 
 
@@ -423,7 +429,8 @@ def test_mosaic_lowers_for_cuda(name):
 def test_mosaic_cluster_forward_lowers_for_cuda():
     def lowered(q_rows: int) -> str:
         fp = FwdParams(q_blocksize=q_rows, kv_blocksize=128, num_stages=2)
-        return _lower(_pallas_mosaic, MOSAIC_CASES["bf16_d128_causal_gqa"], H100, "cuda", fp=fp)
+        case = MOSAIC_CASES["bf16_d128_causal_gqa"]
+        return _lower(_pallas_mosaic, case, H100, "cuda", fp=fp, bwd=False)
 
     assert "gpu.cluster_block_id" in lowered(256)
     assert "gpu.cluster_block_id" not in lowered(128)
@@ -579,16 +586,21 @@ def test_mosaic_fused_backward_in_gpu_interpreter(name):
 
 
 def _mosaic_fwd_bwd(
-    case: Case, bp: BwdParams, x: dict, persistent: bool = True, along_sequence: bool | None = None
+    case: Case,
+    bp: BwdParams,
+    x: dict,
+    persistent: bool = True,
+    along_sequence: tuple[bool | None, bool | None] = (None, None),
 ) -> list[np.ndarray]:
-    """out, lse, dq, dk and dv of the Mosaic kernels in the interpreter, with their grid options."""
+    """out, lse, dq, dk and dv of the Mosaic kernels in the interpreter, with their grid options
+    (``along_sequence``: the forward's and the backward's tile orders)."""
     out, lse = _pallas_mosaic._forward(
         x["q"], x["k"], x["v"], spec=case.spec, params=MOSAIC_FWD, interpret=True,
-        persistent=persistent, along_sequence=along_sequence,
+        persistent=persistent, along_sequence=along_sequence[0],
     )  # fmt: skip
     grads = _pallas_mosaic_bwd.bwd(
         x["q"], x["k"], x["v"], out, lse, x["dout"], spec=case.spec, params=bp, interpret=True,
-        persistent=(persistent, persistent), along_sequence=along_sequence,
+        persistent=(persistent, persistent), along_sequence=along_sequence[1],
     )  # fmt: skip
     return [np.asarray(a, np.float32) for a in (out, lse, *grads)]
 
@@ -602,17 +614,20 @@ def _assert_same_results(got: list, want: list, fused: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "name, bwd_name",
+    "name, bwd_name, other_orders",
     [
-        ("causal_gqa_ragged_d64", None),
-        ("causal_gqa_ragged", "fused"),
-        ("self_fed_ragged_batch2", "fused"),
-        ("causal_k_longer_batch2_d96", "fused"),
+        ("causal_gqa_ragged_d64", None, True),
+        ("causal_gqa_ragged", "fused", False),
+        ("self_fed_ragged_batch2", "fused", False),
+        ("causal_k_longer_batch2_d96", "fused", False),
     ],
 )
-def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
+def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name, other_orders):
     """The persistent grids (three CTAs in the interpreter: several tiles each, rounds walked both
-    ways, rings and barrier phases carried from tile to tile) give what one CTA per tile gives."""
+    ways, rings and barrier phases carried from tile to tile) give what one CTA per tile gives.
+    With ``other_orders``, also what they give with the tiles of each kernel in the order it does
+    not take by default (as test_mosaic_tile_orders_give_the_same_results, sharing the run in the
+    default orders: each run takes seconds in the interpreter)."""
     case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
     x = _inputs(case, 3)
     g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
@@ -622,6 +637,10 @@ def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name):
         _mosaic_fwd_bwd(case, bp, x, persistent) for persistent in (True, False)
     )
     _assert_same_results(persistent, one_tile, fused=bwd_name == "fused")
+    if other_orders:
+        orders = (not _pallas_mosaic.FWD_ALONG_SEQUENCE, not g.along_sequence)
+        other = _mosaic_fwd_bwd(case, bp, x, along_sequence=orders)
+        _assert_same_results(other, persistent, fused=bwd_name == "fused")
 
 
 def test_mosaic_tile_orders_cover_every_tile_once():
@@ -700,11 +719,12 @@ def test_mosaic_split_tail_only_where_a_round_is_partial():
 @pytest.mark.parametrize(
     "case, pieces, scatter",
     [
-        # 5 tiles on 3 CTAs, a tile of 12 key blocks (the last ragged) in pieces of 8: the middle
+        # 5 tiles on 3 CTAs, a tile of 6 key blocks (the last ragged) in pieces of 4: the middle
         # CTA ends one tile and starts the next; merged by one scatter
-        (Case(seq_q=128, seq_k=740, heads=5, kv_heads=5, dim=64, dtype=jnp.bfloat16), 2, True),
-        # 4 tiles: the last one's 32 key blocks in three pieces, one a CTA; merged as slices
-        (Case(seq_q=128, seq_k=2000, heads=4, kv_heads=2, dim=96, dtype=jnp.float16), 3, False),
+        (Case(seq_q=128, seq_k=356, heads=5, kv_heads=5, dim=64, dtype=jnp.bfloat16), 2, True),
+        # 4 tiles: the last one's 11 key blocks (the last ragged) in three pieces, one a CTA;
+        # merged as slices (short tiles: the interpreter's time goes with the key blocks)
+        (Case(seq_q=128, seq_k=700, heads=4, kv_heads=2, dim=96, dtype=jnp.float16), 3, False),
     ],
     ids=["bf16_ragged_d64", "f16_gqa_d96"],
 )
@@ -794,16 +814,16 @@ def test_mosaic_tile_order_rule():
         )
 
 
-@pytest.mark.parametrize(
-    "name, bwd_name", [("causal_gqa_ragged_d64", None), ("gqa_ragged", "fused")]
-)
+# The split backward's case, causal_gqa_ragged_d64, runs in
+# test_mosaic_persistent_grid_matches_one_tile_per_cta.
+@pytest.mark.parametrize("name, bwd_name", [("gqa_ragged", "fused")])
 def test_mosaic_tile_orders_give_the_same_results(name, bwd_name):
     """On the persistent grid (several tiles a CTA), the order of the tiles changes nothing but
     the fused dQ's order of float32 sums."""
     case, bp = (MOSAIC_FUSED_CASES if bwd_name else MOSAIC_BWD_CASES)[name]
     x = _inputs(case, 4)
     along, heads_fastest = (
-        _mosaic_fwd_bwd(case, bp, x, along_sequence=along_sequence)
+        _mosaic_fwd_bwd(case, bp, x, along_sequence=(along_sequence, along_sequence))
         for along_sequence in (True, False)
     )
     _assert_same_results(along, heads_fastest, fused=bwd_name == "fused")
@@ -913,9 +933,11 @@ def test_mosaic_backward_candidates_lower_for_cuda():
         if bp.variant == "mosaic"
     }
     assert len(bwds) == 4
+    # (The forwards lower in test_mosaic_lowers_for_cuda.)
     for bp in sorted(bwds, key=repr):
-        _lower(_pallas_mosaic, case, H100, "cuda", bp=bp)
-    _lower(_pallas_mosaic, MOSAIC_CASES["f16_d64"], H100, "cuda", bp=_mosaic_bwd(128, 128, 3))
+        _lower(_pallas_mosaic, case, H100, "cuda", bp=bp, fwd=False)
+    f16 = MOSAIC_CASES["f16_d64"]
+    _lower(_pallas_mosaic, f16, H100, "cuda", bp=_mosaic_bwd(128, 128, 3), fwd=False)
     assert _pallas_mosaic_bwd.MAX_HEAD_DIM == 128
 
 
