@@ -90,22 +90,24 @@ def test_bad_arguments_exit_non_zero_with_a_clear_error(args, message, cache_dir
     assert code == 2 and message in err
 
 
-def test_argparse_errors_and_help():
-    for args in (["tune", "--help"], ["cache", "--help"], ["--help"]):
-        proc = subprocess.run(
-            [sys.executable, "-m", "ejkfn._cli", *args], capture_output=True, text=True
-        )
-        assert proc.returncode == 0 and "usage: ejkfn" in proc.stdout
+def test_argparse_errors_and_help(capsys):
+    # One child process for ``python -m ejkfn._cli`` itself; the rest in this one (a child imports
+    # jax anew: seconds each).
     proc = subprocess.run(
-        [sys.executable, "-m", "ejkfn._cli", "tune", "scale", "--shape", "3,x"],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "ejkfn._cli", "--help"], capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "--shape must be comma-separated integers" in proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "ejkfn._cli", "cache", "frobnicate"], capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    assert proc.returncode == 0 and "usage: ejkfn" in proc.stdout
+    for args in (["tune", "--help"], ["cache", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 0 and "usage: ejkfn" in capsys.readouterr().out
+    for args, message in (
+        (["tune", "scale", "--shape", "3,x"], "--shape must be comma-separated integers"),
+        (["cache", "frobnicate"], "invalid choice"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_cache_commands(cache_dir, tmp_path, capsys):

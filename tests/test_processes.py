@@ -50,7 +50,8 @@ def test_keys_equal_across_processes_with_different_hash_seeds():
         print(ejkfn.Invocation.of(Scale(factor=1.5), jnp.ones((3, 5), jnp.bfloat16)).key)
         print(ejkfn.Invocation.of(Scale(), jnp.ones((2, 2)), batch_axes={"vmap": [0, None]}).key)
     """
-    keys = {run_python(code, env={"PYTHONHASHSEED": seed}) for seed in ("0", "1", "12345")}
+    # Two seeds suffice: a key that hashed anything would differ between them.
+    keys = {run_python(code, env={"PYTHONHASHSEED": seed}) for seed in ("0", "1")}
     assert len(keys) == 1
 
 
