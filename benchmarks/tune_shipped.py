@@ -7,9 +7,9 @@ from its candidates; those within 3% of the fastest timed again with twice the c
 the fastest under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
-It then times the same candidates forward alone; where another one's forward is the fastest by more
-than ``INFERENCE_MARGIN`` (1%), the stored config carries it as its ``inference`` config (calls that nothing differentiates
-run it).
+It then times each distinct forward of the candidates alone; where another one's forward is the
+fastest by more than ``INFERENCE_MARGIN`` (1%), the stored config carries it as its ``inference``
+config (calls that nothing differentiates run it).
 
 Installing (anywhere): ``--install FOLDER...`` merges such folders into ``ejkfn/_shipped``, the read-only
 layer every user's selection consults after their own caches.
@@ -119,7 +119,7 @@ def pruned_candidates(
 
 # A forward that beats the training config's own by more than this ships as the inference config.
 # Switching forwards costs nothing at run time, so the margin only keeps coin flips out. At 3% it
-# kept cuDNN's forward at long shapes where every tune read the Mosaic forward 1-3.6% ahead and the
+# kept cuDNN's forward at long shapes where tunes read the Mosaic forward 1.4-2.9% ahead and the
 # side-by-side runs 3-6% ahead, which left `auto` 4-6% behind (benchmarks/NOTES.md, twenty-second
 # round).
 INFERENCE_MARGIN = 0.01
@@ -160,8 +160,8 @@ def forward_of(cfg: AttentionConfig) -> tuple[Any, ...]:
 
 
 def distinct_forwards(cfgs: Sequence[AttentionConfig]) -> list[AttentionConfig]:
-    """The first of ``cfgs`` for each forward they run: configs that differ only in their backward
-    run one forward, and timing it once a config read it up to 4% apart in one tune
+    """The first of ``cfgs`` for each forward they run. Configs that differ only in their backward
+    run one forward; timed once for each of them, its copies read up to 4% apart in one tune
     (benchmarks/NOTES.md, twenty-second round)."""
     first: dict[tuple[Any, ...], AttentionConfig] = {}
     for cfg in cfgs:
