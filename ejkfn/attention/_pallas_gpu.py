@@ -139,14 +139,15 @@ def _on_tiles(specs: list[pl.BlockSpec], tiles: Any) -> list[pl.BlockSpec]:
 
 
 def _on_nvidia_gpu() -> bool:
+    """Whether the default device is an NVIDIA GPU, where PTX assembly compiles."""
     device = jax.devices()[0]
     return device.platform in ("gpu", "cuda") and "cuda" in device.client.platform_version.lower()
 
 
 def _exp2(g: _Geom, x: jax.Array) -> jax.Array:
     """``2 ** x`` of float32 scores. ``jnp.exp2`` lowers to libdevice's ``exp2f``; PTX's
-    ``ex2.approx.ftz`` (what Triton's own ``tl.exp2`` becomes) ran the forward 1.04-1.10x and
-    forward+backward 1.03-1.08x faster on an H200 (benchmarks/NOTES.md, twenty-third round). Its
+    ``ex2.approx.ftz`` (what Triton's own ``tl.exp2`` becomes) ran the forward 1.05-1.12x and
+    forward+backward 1.01-1.08x faster on an H200 (benchmarks/NOTES.md, twenty-third round). Its
     relative error is about 2**-22, and results below 2**-126 flush to 0: probabilities that small
     round away against the row sum anyway."""
     if not g.ptx_exp2 or x.dtype != jnp.float32:
