@@ -8,9 +8,10 @@ where they import), it
 1. checks forward and gradients against an f32 XLA reference on fresh random inputs (bf16 relative
    error must stay under 2e-2; NaN never passes), and skips timing a failing variant;
 2. times forward and forward+backward: after warm-up, ``--rounds`` rounds in which each implementation
-   in turn (a new order each round) runs an untimed batch, then a timed batch, of ``--calls`` calls back
-   to back (input sets rotating; more where they would last under ``--min-batch-ms``), waited on
-   once; the median over rounds (drifts of the machine's speed fall on all alike);
+   in turn (a new order each round, from ``--order-seed``) runs ``--settle-ms`` of untimed calls, so
+   the clock follows its power, then a timed batch of ``--calls`` calls back to back (input sets
+   rotating; more where they would last under ``--min-batch-ms``), waited on once; the median over
+   rounds (drifts of the machine's speed fall on all alike);
 3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
    versions to ``--out`` (default ``benchmarks/results``).
 
@@ -31,6 +32,7 @@ import json
 import logging
 import os
 import platform as host_platform
+import random
 import statistics
 import subprocess
 import sys
@@ -257,19 +259,28 @@ def median_ms(
     return statistics.median(times)
 
 
+# The untimed calls before each timed batch: the clock lags the power drawn by about 0.1 s. After
+# 20 ms of settling, a kernel timed after an idle or lighter one read 11-16% fast on an H200, and a
+# light one after a heavy one up to 17% slow; after 0.1-0.4 s, within 2-4% (clock_settle_gpu.py;
+# NOTES.md, twenty-fourth round).
+SETTLE_MS = 200.0
+
+
 def interleaved_ms(
     fns: dict[str, Callable[..., Any]],
     arg_sets: list[tuple[Any, ...]],
     calls: int,
     rounds: int,
-    min_batch_ms: float = 0.0,
+    min_batch_ms: float = 20.0,
+    settle_ms: float = SETTLE_MS,
+    seed: int = 0,
 ) -> dict[str, list[float]]:
     """Milliseconds per call of each of ``fns`` (already warm), one reading a round: in each round,
-    in a new order, an untimed batch of ``calls`` calls then a timed one, back to back, the input
-    sets rotating (:func:`ejkfn.interleaved_seconds`; the untimed batch settles the clock on this
-    kernel's load, since a light kernel timed before left it boosted: up to 10% fast). A batch, timed
-    or not, shorter than ``min_batch_ms`` (judged by one call) takes that long instead: five
-    half-millisecond forwards read the clock's transients more than the kernel."""
+    in a new order (from ``seed``), ``settle_ms`` of untimed calls then a timed batch of ``calls``
+    calls, back to back, the input sets rotating (:func:`ejkfn.interleaved_seconds`; the untimed
+    calls let the clock follow this kernel's load, see ``SETTLE_MS``). A timed batch shorter than
+    ``min_batch_ms`` (judged by one call) takes that long instead: five half-millisecond forwards
+    read the clock's transients more than the kernel."""
 
     def rotating(fn: Callable[..., Any]) -> Callable[[], Any]:
         sets = itertools.cycle(arg_sets)
@@ -280,9 +291,10 @@ def interleaved_ms(
         warmup=int(min_batch_ms > 0),
         calls=calls * rounds,
         rounds=rounds,
-        settle=calls,
+        settle=1,
+        seed=seed,
         min_batch_seconds=min_batch_ms / 1e3,
-        settle_seconds=min_batch_ms / 1e3,
+        settle_seconds=settle_ms / 1e3,
     )
     times: dict[str, list[float]] = {}
     for name, seconds in readings.items():
@@ -507,6 +519,18 @@ def main() -> int:
         default=20.0,
         help="each batch, untimed and timed, runs at least this long (more calls for short kernels)",
     )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=SETTLE_MS,
+        help="untimed calls of a kernel before each of its timed batches, so the clock follows it",
+    )
+    parser.add_argument(
+        "--order-seed",
+        type=int,
+        default=None,
+        help="seed of the rounds' orders (default: drawn, and saved with the results)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument(
@@ -525,6 +549,10 @@ def main() -> int:
     args = parser.parse_args()
     if not args.min_batch_ms >= 0:
         parser.error(f"--min-batch-ms must be 0 or more, got {args.min_batch_ms}")
+    if not args.settle_ms >= 0:
+        parser.error(f"--settle-ms must be 0 or more, got {args.settle_ms}")
+    if args.order_seed is None:
+        args.order_seed = random.SystemRandom().randrange(2**31)
     if args.peers:
         sys.path.append(str(Path(args.peers).resolve()))
 
@@ -546,7 +574,13 @@ def main() -> int:
 
     def save(results: list[dict[str, Any]]) -> None:
         # After every measurement: a run cut off by its time limit keeps what it measured.
-        path.write_text(json.dumps({"device": info, "date": stamp, "results": results}, indent=1))
+        timing = {k: getattr(args, k) for k in ("calls", "rounds", "min_batch_ms", "settle_ms")}
+        timing["order_seed"] = args.order_seed
+        path.write_text(
+            json.dumps(
+                {"device": info, "date": stamp, "timing": timing, "results": results}, indent=1
+            )
+        )
 
     results: list[dict[str, Any]] = []
     rows: list[tuple[str, str, float | None, float | None, str]] = []
@@ -582,7 +616,15 @@ def main() -> int:
                     fns.pop(name, None)
         for key, fns in passes.items():
             sets = arg_sets if key == "fwd_bwd" else [a[:3] for a in arg_sets]
-            times = interleaved_ms(fns, sets, args.calls, args.rounds, args.min_batch_ms)
+            times = interleaved_ms(
+                fns,
+                sets,
+                args.calls,
+                args.rounds,
+                args.min_batch_ms,
+                args.settle_ms,
+                seed=args.order_seed + len(results),
+            )
             for name, ms in times.items():
                 entry = entries[name]
                 entry[f"{key}_ms"] = statistics.median(ms)

@@ -1,7 +1,7 @@
 """Our ``cudnn`` platform beside ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
 
 Three ways to the same cuDNN kernels, timed side by side in one run (the table's method:
-:func:`attention.interleaved_ms`, 20 ms batches after 20 ms of settling): ``jax.nn`` as the README's
+:func:`attention.interleaved_ms`, 20 ms batches after 0.2 s of settling): ``jax.nn`` as the README's
 cuDNN row calls it, ``jax.nn`` asked for its softmax statistics as well (what our backend asks for,
 since the backward needs the log-sum-exp), and ``ejkfn.flash_attention(platform="cudnn")``. For each
 compiled program it also lists the cuDNN custom calls, to show that our backward's second forward
@@ -87,7 +87,7 @@ def main() -> int:
                 custom_calls = {name: cudnn_calls(fn.as_text()) for name, fn in fns.items()}
                 for fn in fns.values():  # run once before timing
                     jax.block_until_ready(fn(*arg_sets[0]))
-                timed = interleaved_ms(fns, arg_sets, args.calls, args.rounds, min_batch_ms=20)
+                timed = interleaved_ms(fns, arg_sets, args.calls, args.rounds)
                 base = statistics.median(timed[BASELINE])
                 for name, ms_list in timed.items():
                     ms = statistics.median(ms_list)

@@ -5,8 +5,8 @@ Forward: the Mosaic forward. Forward+backward: that forward with each Mosaic bac
 kernel adding dQ by TMA reduce-add, 5 products). Each implementation is checked against cuDNN's
 output and gradients on the same inputs first (max relative error), then all are timed in
 interleaved rounds (so drifts of the machine's speed fall on all alike): each round times a batch
-of calls dispatched back to back, after an untimed batch of the same kernel (the clock settles on
-its load), inputs alternating between two random sets, in a new order each round; the
+of calls dispatched back to back, after 0.2 s of untimed calls of the same kernel (the clock
+settles on its load), inputs alternating between two random sets, in a new order each round; the
 median over rounds is reported, with its spread (slowest over fastest round); ratios are to cuDNN
 in this run.
 

@@ -127,11 +127,11 @@ INFERENCE_MARGIN = 0.01
 # pair were within 1% of each other at several shapes, where one tune's pick read 2-4% behind in the
 # next table (benchmarks/NOTES.md, fourteenth round).
 RUNOFF = 0.03
-# Batches, and the settling before each, as long as the table's (attention.py --min-batch-ms). With
-# 10 ms batches and one settling call, the eighteenth round's tune had cuDNN 4-6% ahead of the
-# Mosaic pair at 4x4096 and 2x8192; the two tables after it read cuDNN between 2% ahead and 5%
-# behind. The table's shapes were re-tuned this way on both GPUs in the nineteenth round
-# (benchmarks/NOTES.md).
+# Batches as long as the table's (attention.py --min-batch-ms). With 10 ms batches and one settling
+# call, the eighteenth round's tune had cuDNN 4-6% ahead of the Mosaic pair at 4x4096 and 2x8192;
+# the two tables after it read cuDNN between 2% ahead and 5% behind (benchmarks/NOTES.md). Before
+# each batch the Tuner's default settling (0.2 s on a GPU, as the table's since the twenty-fourth
+# round).
 BATCH_SECONDS = 0.02
 
 
@@ -180,7 +180,6 @@ def tune(args: argparse.Namespace) -> None:
         progress=False,
         runoff=RUNOFF,
         min_batch_seconds=BATCH_SECONDS,
-        settle_seconds=BATCH_SECONDS,
     )
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     backends = chosen_backends(args.backends)

@@ -74,6 +74,20 @@ def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) ->
     return seconds
 
 
+def _settle(fn: Callable[[], Any], calls: int) -> None:
+    """``calls`` untimed calls back to back, waited on once. Only the last result is kept: a device
+    runs one stream in order, and the others' buffers are freed as it goes."""
+    last = None
+    for _ in range(calls):
+        last = fn()
+    _block(last)
+
+
+# A GPU's clock follows the power drawn with a lag of about 0.1 s: on an H200 a kernel read 11-16%
+# fast 20 ms after an idle or lighter one, within the noise (2-4%) after 0.1-0.4 s (benchmarks/
+# NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long by default.
+GPU_SETTLE_SECONDS = 0.2
+
 MAX_BATCH_CALLS = 10_000  # the most calls ``min_batch_seconds`` adds to one timed batch
 
 
@@ -109,7 +123,8 @@ def interleaved_seconds[K](
     warm-up), its turns run that many seconds' worth of calls instead (at most
     ``MAX_BATCH_CALLS``): a few sub-millisecond calls read launch latency and clock transients
     more than the kernel. ``settle_seconds`` lengthens the untimed calls before each turn the same
-    way: a clock left high or low by the previous function takes milliseconds to follow this one.
+    way, dispatched back to back: a GPU's clock left high or low by the previous function takes
+    about 0.1 s to follow this one (:data:`GPU_SETTLE_SECONDS`).
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones(64)
@@ -153,8 +168,7 @@ def interleaved_seconds[K](
         order.shuffle(running)
         for key in list(running):
             try:
-                for _ in range(settle_calls[key]):
-                    _block(fns[key]())
+                _settle(fns[key], settle_calls[key])
                 batch = max(share, least_calls[key])
                 readings[key].append(_seconds_per_call(fns[key], batch, bound))
             except Exception as exc:
@@ -224,10 +238,10 @@ class Tuner:
             share of ``iters`` where its calls are short; needs ``warmup >= 1``).
         settle_seconds: the untimed calls before each timed batch run at least this long, so a GPU's
             clock has followed this candidate's power before it is timed (0: one call; needs
-            ``warmup >= 1``). A GPU's clock takes milliseconds to follow a new load, and
-            candidates that draw different power (cuDNN's attention and ours) were ranked apart
-            from a benchmark settled for 20 ms (benchmarks/NOTES.md, fifteenth and eighteenth
-            rounds).
+            ``warmup >= 1``; ``None``: :data:`GPU_SETTLE_SECONDS` where JAX's default backend is a
+            GPU, else 0). A GPU's clock takes about 0.1 s to follow a new load: 20 ms after an
+            idle or lighter kernel, one read 11-16% fast (benchmarks/NOTES.md, twenty-fourth
+            round).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
         runoff: candidates within this fraction of the fastest (0.03: 3%) are timed again, among
             themselves, with ``runoff_iters`` calls each, and chosen on those times: where two are
@@ -245,7 +259,7 @@ class Tuner:
     iters: int = 10
     rounds: int = 3
     min_batch_seconds: float = 0.01
-    settle_seconds: float = 0.0
+    settle_seconds: float | None = None
     max_seconds_per_call: float | None = None
     runoff: float = 0.0
     runoff_iters: int | None = None
@@ -262,12 +276,19 @@ class Tuner:
             raise ValueError(f"rounds must be >= 1; got {self.rounds=}")
         if not self.min_batch_seconds >= 0:
             raise ValueError(f"min_batch_seconds must be >= 0; got {self.min_batch_seconds=}")
-        if not self.settle_seconds >= 0:
+        if self.settle_seconds is not None and not self.settle_seconds >= 0:
             raise ValueError(f"settle_seconds must be >= 0; got {self.settle_seconds=}")
         if not 0 <= self.runoff < float("inf"):
             raise ValueError(f"runoff must be a fraction >= 0; got {self.runoff=}")
         if self.runoff_iters is not None and self.runoff_iters < 1:
             raise ValueError(f"runoff_iters must be >= 1 or None; got {self.runoff_iters=}")
+
+    @property
+    def settling_seconds(self) -> float:
+        """``settle_seconds``, with ``None`` resolved for the default backend."""
+        if self.settle_seconds is not None:
+            return self.settle_seconds
+        return GPU_SETTLE_SECONDS if jax.default_backend() == "gpu" else 0.0
 
     def timings[K](
         self, fns: Mapping[K, Callable[[], Any]], *, calls: int | None = None
@@ -282,7 +303,7 @@ class Tuner:
             bound=self.max_seconds_per_call,
             seed=self.seed,
             min_batch_seconds=self.min_batch_seconds,
-            settle_seconds=self.settle_seconds,
+            settle_seconds=self.settling_seconds,
         )
         return {
             key: r if isinstance(r, Exception) else statistics.median(r)

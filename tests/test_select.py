@@ -663,6 +663,18 @@ def test_tuner_settles_each_candidate_before_timing_it():
     assert settled % 3 == 0 and 4 <= settled // 3 <= 8
 
 
+def test_tuner_settles_for_a_gpu_clock_only_on_a_gpu(monkeypatch):
+    """Unset, ``settle_seconds`` is :data:`ejkfn._tune.GPU_SETTLE_SECONDS` where JAX's default
+    backend is a GPU (its clock lags the power drawn) and 0 elsewhere; a value given is kept."""
+    from ejkfn import _tune
+
+    assert ejkfn.Tuner().settling_seconds == 0.0  # the CPU
+    assert ejkfn.Tuner(settle_seconds=0.03).settling_seconds == 0.03
+    monkeypatch.setattr(_tune.jax, "default_backend", lambda: "gpu")
+    assert ejkfn.Tuner().settling_seconds == _tune.GPU_SETTLE_SECONDS > 0.05
+    assert ejkfn.Tuner(settle_seconds=0.0).settling_seconds == 0.0
+
+
 def test_interleaved_seconds_drops_what_fails_and_times_the_rest():
     calls = {"n": 0}
 
