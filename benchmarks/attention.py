@@ -260,9 +260,9 @@ def median_ms(
 
 
 # The untimed calls before each timed batch: the clock lags the power drawn by about 0.1 s. After
-# 20 ms of settling, a kernel timed after an idle or lighter one read 11-16% fast on an H200, and a
-# light one after a heavy one up to 17% slow; after 0.1-0.4 s, within 2-4% (clock_settle_gpu.py;
-# NOTES.md, twenty-fourth round).
+# 20 ms of settling on an H200, a kernel read 10-13% fast after an idle GPU and 5-11% after a lighter
+# kernel, and Pallas-Triton's forward 6-8% slow after a heavy one; after 0.1-0.4 s, within the
+# noise (clock_settle_gpu.py; NOTES.md, twenty-fourth round).
 SETTLE_MS = 200.0
 
 

@@ -83,9 +83,9 @@ def _settle(fn: Callable[[], Any], calls: int) -> None:
     _block(last)
 
 
-# A GPU's clock follows the power drawn with a lag of about 0.1 s: on an H200 a kernel read 11-16%
-# fast 20 ms after an idle or lighter one, within the noise (2-4%) after 0.1-0.4 s (benchmarks/
-# NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long by default.
+# A GPU's clock follows the power drawn with a lag of about 0.1 s: on an H200 a kernel read 10-13%
+# fast 20 ms after an idle GPU, 5-11% after a lighter kernel, and within the noise after 0.1-0.4 s
+# (benchmarks/NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long by default.
 GPU_SETTLE_SECONDS = 0.2
 
 MAX_BATCH_CALLS = 10_000  # the most calls ``min_batch_seconds`` adds to one timed batch
@@ -240,8 +240,7 @@ class Tuner:
             clock has followed this candidate's power before it is timed (0: one call; needs
             ``warmup >= 1``; ``None``: :data:`GPU_SETTLE_SECONDS` where JAX's default backend is a
             GPU, else 0). A GPU's clock takes about 0.1 s to follow a new load: 20 ms after an
-            idle or lighter kernel, one read 11-16% fast (benchmarks/NOTES.md, twenty-fourth
-            round).
+            idle GPU, one read 10-13% fast (benchmarks/NOTES.md, twenty-fourth round).
         max_seconds_per_call: a candidate whose single call exceeds this is dropped (``None``: no bound).
         runoff: candidates within this fraction of the fastest (0.03: 3%) are timed again, among
             themselves, with ``runoff_iters`` calls each, and chosen on those times: where two are
