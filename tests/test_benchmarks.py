@@ -231,3 +231,15 @@ def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
     (folder / "_pallas_gpu.py").unlink()
     with pytest.raises(FileNotFoundError, match=r"_pallas_gpu\.py"):
         previous_modules(folder, "copy2")
+
+
+@pytest.mark.slow
+def test_clock_settle_times_each_target_after_each_predecessor(tmp_path):
+    _run("clock_settle_gpu.py", "--shape", "1x64x2x16", "--impls", "jax.nn xla,ejkfn auto", "--settle-ms", "0,2", "--lead-ms", "1", "--batch-ms", "1", "--reps", "2", "--out", str(tmp_path))  # fmt: skip
+    saved = _saved(tmp_path, "clock_settle_*.json")
+    assert saved["case"] == "1x64x2x16" and saved["pass"] == "forward"
+    trials = {(r["target"], r["predecessor"], r["settle_ms"]) for r in saved["readings_ms"]}
+    impls = ("jax.nn xla", "ejkfn auto")
+    assert trials == {(t, p, s) for t in impls for p in (*impls, "(idle)") for s in (0.0, 2.0)}
+    assert all(len(r["ms"]) == 2 and min(r["ms"]) > 0 for r in saved["readings_ms"])
+    _run("clock_settle_gpu.py", "--impls", "no such kernel", "--out", str(tmp_path), returncode=2)
