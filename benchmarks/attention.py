@@ -517,7 +517,7 @@ def main() -> int:
         "--min-batch-ms",
         type=float,
         default=20.0,
-        help="each batch, untimed and timed, runs at least this long (more calls for short kernels)",
+        help="each timed batch runs at least this long (more calls for short kernels)",
     )
     parser.add_argument(
         "--settle-ms",

@@ -130,8 +130,8 @@ RUNOFF = 0.03
 # Batches as long as the table's (attention.py --min-batch-ms). With 10 ms batches and one settling
 # call, the eighteenth round's tune had cuDNN 4-6% ahead of the Mosaic pair at 4x4096 and 2x8192;
 # the two tables after it read cuDNN between 2% ahead and 5% behind (benchmarks/NOTES.md). Before
-# each batch the Tuner's default settling (0.2 s on a GPU, as the table's since the twenty-fourth
-# round).
+# each batch the Tuner settles by its default: 0.2 s on a GPU, as the table has since the
+# twenty-fourth round.
 BATCH_SECONDS = 0.02
 
 

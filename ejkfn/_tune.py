@@ -85,7 +85,8 @@ def _settle(fn: Callable[[], Any], calls: int) -> None:
 
 # A GPU's clock follows the power drawn with a lag of about 0.1 s: on an H200 a kernel read 10-13%
 # fast 20 ms after an idle GPU, 5-11% after a lighter kernel, and within the noise after 0.1-0.4 s
-# (benchmarks/NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long by default.
+# (benchmarks/NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long
+# unless told otherwise.
 GPU_SETTLE_SECONDS = 0.2
 
 MAX_BATCH_CALLS = 10_000  # the most calls ``min_batch_seconds`` adds to one timed batch
