@@ -630,6 +630,7 @@ def main() -> int:
                 entry[f"{key}_ms"] = statistics.median(ms)
                 entry[f"{key}_tflops"] = case.flops(key == "fwd_bwd") / entry[f"{key}_ms"] / 1e9
                 entry[f"{key}_spread"] = max(ms) / min(ms)
+                entry[f"{key}_rounds_ms"] = ms  # per round; the saved seed replays their orders
                 if args.power:
                     drawn = power_and_clock(fns[name], sets)
                     if drawn:

@@ -40,6 +40,7 @@ def test_attention_benchmark_checks_then_times(tmp_path):
     timed = [r for r in results if "fwd_bwd_ms" in r]
     assert {r["impl"] for r in timed} >= {"jax.nn xla", "ejkfn auto"}
     assert all(r["correct"] and r["fwd_ms"] > 0 and r["fwd_bwd_spread"] >= 1 for r in timed)
+    assert all(len(r["fwd_rounds_ms"]) == len(r["fwd_bwd_rounds_ms"]) == 2 for r in timed)
     assert any("error" in r for r in results if r["impl"] == "jax.nn cudnn")  # no cuDNN on a CPU
 
 
