@@ -15,22 +15,27 @@ Usage: ``python benchmarks/clock_settle_gpu.py [--shape 2x8192x32x128x8] [--caus
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attention
 import jax
 
+from ejkfn._tune import _calls_lasting, _seconds_per_call, _settle
+
 IDLE = "(idle)"
 
 
-def run_for(fn, args: tuple, ms: float, per_call_ms: float) -> None:
-    """Calls of ``fn`` back to back for about ``ms``, waited on once."""
-    calls = max(1, round(ms / per_call_ms)) if ms > 0 else 0
-    jax.block_until_ready([fn(*args) for _ in range(calls)])
+def run_for(fn: Callable[[], Any], seconds: float, per_call: float) -> None:
+    """Untimed calls of ``fn`` back to back for about ``seconds`` (none for 0), waited on once."""
+    if seconds > 0:
+        _settle(fn, _calls_lasting(seconds, per_call))
 
 
 def main() -> int:
@@ -63,12 +68,11 @@ def main() -> int:
     fns = {n: jax.jit(wrap(known[n])) for n in wanted}
     q, k, v, do = attention.inputs(case, 1)
     call_args = (q, k, v, do) if args.backward else (q, k, v)
-    per_call = {}
-    for name, fn in fns.items():
-        jax.block_until_ready(fn(*call_args))
-        t0 = time.perf_counter()
-        jax.block_until_ready([fn(*call_args) for _ in range(10)])
-        per_call[name] = (time.perf_counter() - t0) * 1e3 / 10
+    calls = {name: functools.partial(fn, *call_args) for name, fn in fns.items()}
+    per_call = {}  # seconds
+    for name, call in calls.items():
+        jax.block_until_ready(call())
+        per_call[name] = _seconds_per_call(call, 10, None)
 
     trials = [
         (target, pred, settle)
@@ -82,14 +86,11 @@ def main() -> int:
         if pred == IDLE:
             time.sleep(args.lead_ms / 1e3)
         else:
-            run_for(fns[pred], call_args, args.lead_ms, per_call[pred])
-        run_for(fns[target], call_args, settle, per_call[target])
-        calls = max(1, round(args.batch_ms / per_call[target]))
-        t0 = time.perf_counter()
-        jax.block_until_ready([fns[target](*call_args) for _ in range(calls)])
-        readings.setdefault((target, pred, settle), []).append(
-            (time.perf_counter() - t0) * 1e3 / calls
-        )
+            run_for(calls[pred], args.lead_ms / 1e3, per_call[pred])
+        run_for(calls[target], settle / 1e3, per_call[target])
+        batch = _calls_lasting(args.batch_ms / 1e3, per_call[target])
+        seconds = _seconds_per_call(calls[target], batch, None)
+        readings.setdefault((target, pred, settle), []).append(seconds * 1e3)
 
     passes = "forward+backward" if args.backward else "forward"
     print(
