@@ -621,6 +621,39 @@ def test_auto_on_cpu_picks_xla(key: jax.Array) -> None:
     _check(case, x, out, grads)
 
 
+def test_auto_on_hopper_infers_on_the_mosaic_forward(
+    key: jax.Array, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Hopper, where the heuristic trains on cuDNN, calls nothing differentiates run the Mosaic
+    forward; not where Mosaic cannot do the call, nor on other GPUs."""
+    from ejkfn.attention import _api, _pallas_mosaic
+
+    refusal = _api._refusal
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas"))
+    # cuDNN cannot trace off a CUDA GPU; Mosaic's refusals are its own.
+    monkeypatch.setattr(
+        _api, "_refusal", lambda b, *a: None if b.platform == "cudnn" else refusal(b, *a)
+    )
+    x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kernel = FlashAttention()
+
+    def heuristic(hopper: bool, **options: Any) -> AttentionConfig:
+        monkeypatch.setattr(_api, "_is_hopper", lambda: hopper)
+        return kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=True, **options))
+
+    cfg = heuristic(True)
+    assert (cfg.platform, cfg.variant) == ("cudnn", "cudnn")
+    shape = AttentionShape.of(x, x, AttentionSpec(scale=64**-0.5, causal=True))
+    fp, bp = _pallas_mosaic.heuristic(shape)
+    assert cfg.inference == AttentionConfig(platform="pallas", variant="mosaic", fwd=fp, bwd=bp)
+    bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)  # Mosaic takes no bias
+    with_bias = heuristic(True, bias=bias)
+    assert (with_bias.platform, with_bias.inference) == ("cudnn", None)
+    elsewhere = heuristic(False)
+    assert (elsewhere.platform, elsewhere.inference) == ("cudnn", None)
+
+
 def test_explicit_platform_heuristics(key: jax.Array) -> None:
     q, k, v = _small(key)
     for backend in [_backend_of(p) for p in ALL]:

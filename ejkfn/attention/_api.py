@@ -350,6 +350,26 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
     return [table[n] for n in ordered]
 
 
+# Where ``auto`` trains on cuDNN on a Hopper GPU, calls that nothing differentiates run the Mosaic
+# forward if it can do them: it read 1.01-1.33x cuDNN's forward at every shape of the H100 and H200
+# tables and 0.99-1.11x at 16k-64k keys (benchmarks/NOTES.md, twenty-fifth round). Tuned and shipped
+# configs decide this per shape; this is the heuristic for shapes they do not cover.
+_HOPPER_INFERENCE = ("pallas", "mosaic")
+
+
+def _inference_cfg(
+    training: AttentionBackend, shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
+) -> AttentionConfig | None:
+    """The heuristic ``inference`` config of ``auto`` when it trains on ``training``, or None."""
+    if training.platform != "cudnn" or not _is_hopper():
+        return None
+    forward = backend_for(*_HOPPER_INFERENCE)
+    params = forward.heuristic(shape)
+    if not _native(forward) or _refusal(forward, shape, args, kwargs, params) is not None:
+        return None
+    return _config(forward, params)
+
+
 def _native(backend: AttentionBackend) -> bool:
     return device_kind() in backend.devices and backend.available()
 
@@ -430,8 +450,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     logits_soft_cap=None, dropout_prob=0.0, dropout_seed=None)`` (see :func:`flash_attention`).
 
     ``platform`` (static) is ``"auto"`` or a registered platform: with ``"auto"``, selection chooses
-    among the backends native to the device that can do the call (GPU: Triton, then Pallas with Mosaic
-    GPU first on Hopper, then cuDNN, then XLA; CPU: XLA dense for short sequences, chunked for long);
+    among the backends native to the device that can do the call (GPU: cuDNN, then Pallas with Mosaic
+    GPU first on Hopper, then Triton, then XLA; on Hopper, calls that nothing differentiates run the
+    Mosaic forward where the pick is cuDNN; CPU: XLA dense for short sequences, chunked for long);
     with a platform, among that platform's variants (ones not native to the device run in their
     interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
     a config whose backend cannot do the call's features raises ``NotImplementedError`` at trace
@@ -606,8 +627,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                     + "; ".join(reasons)
                 )
             backend = chosen[0]
-        else:
-            backend = self._platform_backends(shape)[0]
+            cfg = _config(backend, backend.heuristic(shape))
+            return dataclasses.replace(cfg, inference=_inference_cfg(backend, shape, args, kwargs))
+        backend = self._platform_backends(shape)[0]
         return _config(backend, backend.heuristic(shape))
 
     def candidate_cfgs(self, inv: Invocation) -> Sequence[AttentionConfig]:
