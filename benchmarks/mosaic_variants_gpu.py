@@ -109,11 +109,13 @@ def implementations(
     four_memory_warps: bool = False,
     other_fwds: dict[str, ModuleType] | None = None,
     auto: bool = False,
+    cudnn_bwd: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
     each Mosaic backward that takes the shape; with ``auto``, also ``ejkfn.flash_attention`` as a
-    user calls it (``platform="auto"``: the shipped config for this GPU and shape)."""
+    user calls it (``platform="auto"``: the shipped config for this GPU and shape); with
+    ``cudnn_bwd``, also the Mosaic forward with cuDNN's backward kernel on its residuals."""
 
     def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -208,6 +210,11 @@ def implementations(
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
     if auto:
         impls["auto"] = jax.jit(fwd_bwd(selected))
+    if (
+        backward and cudnn_bwd and on_gpu
+    ):  # the Mosaic forward, then cuDNN's backward kernel on its residuals
+        cudnn_params = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
+        impls["mosaic + cudnn"] = jax.jit(fwd_bwd(ours(case.causal, cudnn_params, q, k)))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
@@ -254,6 +261,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.four_memory_warps,
             other_revisions(args.other_fwd, "--other-fwd"),
             args.auto,
+            args.cudnn_bwd,
         )
         for row in check_then_time(
             case,
@@ -339,6 +347,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--auto", action="store_true", help="also ejkfn.flash_attention as shipped (platform auto)"
+    )
+    parser.add_argument(
+        "--cudnn-bwd",
+        action="store_true",
+        help="also the Mosaic forward with cuDNN's backward kernel on its residuals (GPU only)",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

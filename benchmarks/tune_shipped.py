@@ -2,8 +2,9 @@
 
 Tuning (on the GPU): for each shape, bf16, causal and not, it records the invocation that
 ``ejkfn.flash_attention(q, k, v, causal=...)`` makes (platform ``"auto"``), times a pruned candidate set
-forward and backward (each native backend's heuristic config plus up to ``--per-backend`` others drawn
-from its candidates; those within 3% of the fastest timed again with twice the calls), and stores
+forward and backward (each native backend's heuristic config, one candidate of each of its other
+backward kernels, and up to ``--per-backend`` others drawn from its candidates; those within 3% of the
+fastest timed again with twice the calls), and stores
 the fastest under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from attention import parse_shapes
 
 import ejkfn
+from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
 
 SHAPES = [  # (batch, seq, heads, kv_heads, dim): the benchmark's shapes and common training ones
@@ -85,11 +87,26 @@ def chosen_backends(text: str | None) -> set[str] | None:
     return names
 
 
+def other_backward_kernels(
+    heuristic: tuple[FwdParams, BwdParams], others: list[tuple[FwdParams, BwdParams]]
+) -> list[tuple[FwdParams, BwdParams]]:
+    """The first of ``others`` with each backward kernel (``BwdParams.variant``) the heuristic does
+    not use, behind the heuristic's forward: a random draw can miss a whole kernel."""
+    kinds = {heuristic[1].variant}
+    firsts = []
+    for fwd, bwd in others:
+        if fwd == heuristic[0] and bwd.variant not in kinds:
+            kinds.add(bwd.variant)
+            firsts.append((fwd, bwd))
+    return firsts
+
+
 def pruned_candidates(
     shape: AttentionShape, per_backend: int, backends: set[str] | None = None
 ) -> list[AttentionConfig]:
-    """Each native backend's heuristic config, then a fixed random draw of its other candidates;
-    only the ``backends`` named (``platform/variant``) where given."""
+    """Each native backend's heuristic config, one candidate of each of its other backward kernels,
+    then a fixed random draw of its other candidates; only the ``backends`` named
+    (``platform/variant``) where given."""
     rng = random.Random(0)
     kind = ejkfn.device_kind()
     cfgs: list[AttentionConfig] = []
@@ -105,7 +122,9 @@ def pruned_candidates(
             others = [p for p in backend.candidates(shape) if p != heuristic]
         except NotImplementedError:
             continue
-        draw = rng.sample(others, min(per_backend, len(others)))
+        firsts = other_backward_kernels(heuristic, others)
+        rest = [p for p in others if p not in firsts]
+        draw = firsts + rng.sample(rest, min(per_backend, len(rest)))
         if backend.platform == "xla":
             draw = []  # the chunked XLA path is a fallback, never near the fused kernels on a GPU
         for fwd, bwd in [heuristic, *draw]:

@@ -439,6 +439,51 @@ def test_mosaic_lowers_for_cuda(name):
     assert "bar.arrive $0, 256;" in text and "bar.sync $0, 256;" in text
 
 
+def test_mosaic_forward_with_cudnn_backward(monkeypatch):
+    """``BwdParams(variant="cudnn")``: cuDNN's backward kernel on the Mosaic forward's residuals.
+    It lowers for CUDA to cuDNN's backward call alone (no forward rerun); the interpreter, a CPU,
+    masks and mismatched causal lengths are refused by name; the tuner gets it only where cuDNN runs."""
+    from ejkfn.attention import _cudnn
+
+    case = MOSAIC_CASES["bf16_d128_causal_gqa"]
+    x = _abstract_inputs(case)
+    q, k, v = x["q"], x["k"], x["v"]
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+    cudnn_bwd = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
+    nothing = (None,) * 5  # bias, mask, segment ids, seed
+
+    def bwd(q, k, v, out, lse, do, spec=case.spec, interpret=False):
+        return _pallas_mosaic.bwd(
+            q, k, v, *nothing, out, lse, do, spec=spec, params=cudnn_bwd, interpret=interpret
+        )
+
+    with pytest.raises(NotImplementedError, match="interpreter"):
+        jax.eval_shape(functools.partial(bwd, interpret=True), q, k, v, q, lse, q)
+    with pytest.raises(NotImplementedError, match="CUDA GPU"):
+        jax.eval_shape(bwd, q, k, v, q, lse, q)
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
+    text = jax.jit(bwd).trace(q, k, v, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "cudnn$" in line]
+    assert len(calls) == 1 and "Backward" in calls[0], calls
+    masked = dataclasses.replace(case.spec, has_mask=True)
+    with pytest.raises(NotImplementedError, match="causal or unmasked"):
+        _cudnn.residual_bwd(q, k, v, q, lse, q, spec=masked)
+    shorter = jax.ShapeDtypeStruct((case.batch, case.seq_q // 2, case.heads, case.dim), q.dtype)
+    with pytest.raises(NotImplementedError, match="needs seq_q == seq_k"):
+        _cudnn.residual_bwd(shorter, k, v, shorter, lse, shorter, spec=case.spec)
+
+    def cudnn_candidates(seq_q: int, available: bool) -> list[BwdParams]:
+        monkeypatch.setattr(_cudnn, "available", lambda: available)
+        q = jax.ShapeDtypeStruct((1, seq_q, 4, 128), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, 1024, 4, 128), jnp.bfloat16)
+        shape = AttentionShape.of(q, k, case.spec)
+        return [bp for _, bp in _pallas_mosaic.candidates(shape) if bp == cudnn_bwd]
+
+    assert cudnn_candidates(1024, True) == [cudnn_bwd]
+    assert cudnn_candidates(512, True) == []  # causal: cuDNN aligns the diagonal top-left
+    assert cudnn_candidates(1024, False) == []
+
+
 def test_mosaic_cluster_forward_lowers_for_cuda():
     def lowered(q_rows: int) -> str:
         fp = FwdParams(q_blocksize=q_rows, kv_blocksize=128, num_stages=2)

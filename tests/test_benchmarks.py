@@ -107,6 +107,32 @@ def test_tune_shipped_times_only_the_backends_named():
     assert pruned_candidates(shape, 1, {"pallas/triton"}) == []  # named, but no GPU here
 
 
+def test_tune_shipped_times_each_backward_kernel():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import other_backward_kernels
+
+    from ejkfn import BwdParams, FwdParams
+
+    fwd, other_fwd = FwdParams(kv_blocksize=128), FwdParams(kv_blocksize=64)
+    split, split_64 = BwdParams(variant="mosaic"), BwdParams(variant="mosaic", kv_blocksize=32)
+    fused, cudnn = BwdParams(variant="mosaic_fused"), BwdParams(variant="cudnn")
+    triton, triton_128 = BwdParams(), BwdParams(kv_blocksize=128)
+    others = [
+        (fwd, split_64),
+        (other_fwd, cudnn),
+        (fwd, fused),
+        (fwd, triton),
+        (fwd, cudnn),
+        (fwd, triton_128),
+    ]
+    assert other_backward_kernels((fwd, split), others) == [
+        (fwd, fused),
+        (fwd, triton),
+        (fwd, cudnn),
+    ]
+    assert other_backward_kernels((fwd, split), []) == []
+
+
 def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_shipped import with_inference

@@ -26,7 +26,7 @@ from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._reference import visible
 from ._spec import AttentionSpec
 
-__all__ = ["CUDNN", "available"]
+__all__ = ["CUDNN", "available", "residual_bwd"]
 
 _MAX_HEAD_DIM = 256
 
@@ -173,6 +173,47 @@ def _bwd(
     grads = pullback(dout.astype(q.dtype))
     dbias = grads[3] if bias is not None else None
     return grads[0], grads[1], grads[2], dbias
+
+
+def residual_bwd(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    dout: jax.Array,
+    *,
+    spec: AttentionSpec,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(dq, dk, dv)`` from cuDNN's backward kernel, fed another forward's ``out`` and natural-log
+    ``lse [B, H, Sq]`` (float32), as cuDNN's own forward would have left them. Only causal or unmasked
+    attention: no bias, mask or window, every row seeing a key (a ``-inf`` lse would make NaNs).
+
+    It calls the primitive under ``jax.nn.dot_product_attention`` (``jax._src.cudnn``), pinned with
+    jax; its forward reruns nowhere, unlike :func:`_bwd`'s ``jax.vjp``."""
+    if spec.has_bias or spec.has_mask or spec.window is not None:
+        raise NotImplementedError(
+            "cuDNN's backward on another forward's residuals takes causal or unmasked attention "
+            f"only; got {spec!r}"
+        )
+    _check(q, k, spec, interpret=False)
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+    dim = q.shape[-1]
+    padded = -(-dim // 8) * 8
+    if padded != dim:  # zero columns change no score; their gradients are sliced off
+        widths = ((0, 0), (0, 0), (0, 0), (0, padded - dim))
+        q, k, v, out, dout = (jnp.pad(x, widths) for x in (q, k, v, out, dout))
+    unused = jnp.zeros(0, dtype=q.dtype)
+    mask_type = cudnn_attention.MaskType.CAUSAL if spec.causal else cudnn_attention.MaskType.NO_MASK
+    dq, dk, dv = cudnn_attention._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, unused, unused, unused, unused, unused, unused,
+        lse.astype(jnp.float32), out.astype(q.dtype), dout.astype(q.dtype),
+        scale=spec.scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
+        mask_type=mask_type, layout=cudnn_attention.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )  # fmt: skip
+    return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 
 
 def _heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:

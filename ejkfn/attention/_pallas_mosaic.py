@@ -30,14 +30,15 @@ but takes wgmma operands only from shared memory and cannot run ``pl.run_state``
 there P goes through shared memory and P @ V is added in registers (``_Geom.fused_pv``), the rest of
 the kernel (pipeline, barriers, masking, bounds) being the code that runs on the GPU.
 
-Three backward passes take the natural-log ``lse`` this forward writes, chosen by
+Four backward passes take the natural-log ``lse`` this forward writes, chosen by
 ``BwdParams.variant``: ``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
 (FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ
-into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128); or ``None``, the
-Triton-lowering kernels of :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim).
-The heuristic takes ``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal
-over 16k keys or more without GQA (faster there on an H200), else ``"mosaic"`` where it can; the
-tuner tries all three.
+into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128); ``"cudnn"``,
+cuDNN's backward kernel fed this forward's output and ``lse`` (:func:`._cudnn.residual_bwd`; a CUDA
+GPU, ``seq_q == seq_k`` where causal); or ``None``, the Triton-lowering kernels of
+:mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The heuristic takes
+``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 16k keys or more
+without GQA (faster there on an H200), else ``"mosaic"`` where it can; the tuner tries them all.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -59,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
-from . import _pallas_gpu, _pallas_mosaic_bwd
+from . import _cudnn, _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import MIRRORED, AttentionBackend, AttentionShape, register_backend
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
@@ -478,6 +479,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         feed_ring(slots, my_tiles, items, fetch, (k_used, v_used), g.one_memory_warp)
 
 
+CUDNN_BWD = "cudnn"  # BwdParams.variant: cuDNN's backward kernel on this forward's residuals
+
+
 def _interpreting(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
@@ -687,10 +691,16 @@ def bwd(
             q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
         )
         return dq, dk, dv, None
+    if params.variant == CUDNN_BWD:
+        if _interpreting(interpret):
+            raise NotImplementedError(
+                f"BwdParams.variant={CUDNN_BWD!r} runs cuDNN's kernel, which has no interpreter"
+            )
+        return (*_cudnn.residual_bwd(q, k, v, out, lse, dout, spec=spec), None)
     if params.variant not in (None, MIRRORED):
         raise ValueError(
             f"BwdParams.variant={params.variant!r} must be one of "
-            f"{(*_pallas_mosaic_bwd.VARIANTS, MIRRORED)} or None"
+            f"{(*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD, MIRRORED)} or None"
         )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,
@@ -765,8 +775,9 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     CTAs (256 query rows; on an H200 0.97-1.00x one CTA a tile without a mask and 0.96-0.98x causal
     at D = 128: results/mosaic_variants_NVIDIA_H200_20261121-211951.json); backward: Mosaic blocks
     (64 or 128 key rows per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward
-    (dQ by TMA reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), and the
-    Triton-lowering candidates."""
+    (dQ by TMA reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), cuDNN's backward
+    on this forward's residuals where cuDNN runs (on an H200 1.00-1.04x cuDNN's forward+backward:
+    results/mosaic_variants_NVIDIA_H200_20261122-223652.json), and the Triton-lowering candidates."""
     d = _padded_head_dim(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]
@@ -793,6 +804,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         fused = _fused_bwd(shape, base)
         if fused:
             bwds.append(fused)
+    if _cudnn.available() and not (shape.spec.causal and shape.seq_q != shape.seq_k):
+        bwds.append(BwdParams(variant=CUDNN_BWD))
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
         if (heur[0], bp) not in out:
