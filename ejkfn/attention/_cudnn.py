@@ -80,6 +80,14 @@ def _check(q: jax.Array, k: jax.Array, spec: AttentionSpec, interpret: bool) -> 
         )
 
 
+def _pad_head_dim(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """``xs`` with the head dim (last axis) zero-padded to a multiple of 8, as cuDNN needs; zero
+    columns change no score."""
+    dim = xs[0].shape[-1]
+    extra = -(-dim // 8) * 8 - dim
+    return tuple(jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, extra),)) if extra else x for x in xs)
+
+
 def _attention(
     q: jax.Array,
     k: jax.Array,
@@ -91,10 +99,7 @@ def _attention(
 ) -> tuple[jax.Array, jax.Array]:
     """``(out, lse)`` through cuDNN; rows that see no key are zeroed as the spec asks."""
     dim = q.shape[-1]
-    padded = -(-dim // 8) * 8
-    if padded != dim:
-        widths = ((0, 0), (0, 0), (0, 0), (0, padded - dim))
-        q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
+    q, k, v = _pad_head_dim(q, k, v)
     window = None
     causal = spec.causal
     if spec.window is not None:
@@ -189,21 +194,19 @@ def residual_bwd(
     ``lse [B, H, Sq]`` (float32), as cuDNN's own forward would have left them. Only causal or unmasked
     attention: no bias, mask or window, every row seeing a key (a ``-inf`` lse would make NaNs).
 
-    It calls the primitive under ``jax.nn.dot_product_attention`` (``jax._src.cudnn``), pinned with
-    jax; its forward reruns nowhere, unlike :func:`_bwd`'s ``jax.vjp``."""
+    It binds the primitive under ``jax.nn.dot_product_attention`` (``jax._src.cudnn``; jax is pinned),
+    so no forward reruns, unlike :func:`_bwd`'s ``jax.vjp``."""
     if spec.has_bias or spec.has_mask or spec.window is not None:
         raise NotImplementedError(
             "cuDNN's backward on another forward's residuals takes causal or unmasked attention "
             f"only; got {spec!r}"
         )
     _check(q, k, spec, interpret=False)
+    # jax's internals, imported only where this variant runs: a change there breaks it alone.
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
     dim = q.shape[-1]
-    padded = -(-dim // 8) * 8
-    if padded != dim:  # zero columns change no score; their gradients are sliced off
-        widths = ((0, 0), (0, 0), (0, 0), (0, padded - dim))
-        q, k, v, out, dout = (jnp.pad(x, widths) for x in (q, k, v, out, dout))
+    q, k, v, out, dout = _pad_head_dim(q, k, v, out, dout)  # gradients' extra columns sliced off
     unused = jnp.zeros(0, dtype=q.dtype)
     mask_type = cudnn_attention.MaskType.CAUSAL if spec.causal else cudnn_attention.MaskType.NO_MASK
     dq, dk, dv = cudnn_attention._dot_product_attention_bwd_p_wrapper.bind(
