@@ -210,9 +210,7 @@ def implementations(
     impls = {"cudnn": jax.jit(fwd_bwd(cudnn))}
     if auto:
         impls["auto"] = jax.jit(fwd_bwd(selected))
-    if (
-        backward and cudnn_bwd and on_gpu
-    ):  # the Mosaic forward, then cuDNN's backward kernel on its residuals
+    if backward and cudnn_bwd and on_gpu:  # the Mosaic forward, cuDNN's backward on its residuals
         cudnn_params = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
         impls["mosaic + cudnn"] = jax.jit(fwd_bwd(ours(case.causal, cudnn_params, q, k)))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
