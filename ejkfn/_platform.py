@@ -62,6 +62,17 @@ def device_kind(device: jax.Device | None = None) -> Literal["gpu", "tpu", "cpu"
     return "cpu"
 
 
+def on_cuda() -> bool:
+    """Whether the default device is an NVIDIA GPU under CUDA, where cuDNN and PTX run (False where
+    no backend starts)."""
+    try:
+        device = _default_device()
+    except RuntimeError:
+        return False
+    version = device_fingerprint(device)["platform_version"]
+    return device_kind(device) == "gpu" and "cuda" in version.lower()
+
+
 def get_device_platform(device: jax.Device | None = None) -> Literal["triton", "pallas", "xla"]:
     """The implementation family that suits the device best: Triton on GPUs, Pallas on TPUs, else XLA."""
     kind = device_kind(device)

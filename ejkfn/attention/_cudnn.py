@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._platform import on_cuda
 from .._registry import BwdParams, FwdParams
 from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._reference import visible
@@ -31,19 +32,7 @@ __all__ = ["CUDNN", "available", "residual_bwd"]
 _MAX_HEAD_DIM = 256
 
 
-@functools.cache
-def _on_cuda() -> bool:
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu":
-        return False
-    try:
-        version = str(device.client.platform_version).lower()
-    except Exception:  # a backend that does not say: not CUDA as far as we know
-        return False
-    return "cuda" in version
+_on_cuda = functools.cache(on_cuda)  # asked at every selection's candidate listing
 
 
 def available() -> bool:

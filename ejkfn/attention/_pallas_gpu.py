@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .._platform import device_fingerprint, device_kind
+from .._platform import on_cuda
 from .._registry import BwdParams, FwdParams
 from ._backend import (
     AttentionBackend,
@@ -139,9 +139,7 @@ def _on_tiles(specs: list[pl.BlockSpec], tiles: Any) -> list[pl.BlockSpec]:
     ]
 
 
-def _on_nvidia_gpu() -> bool:
-    """Whether the default device is an NVIDIA GPU, where PTX assembly compiles."""
-    return device_kind() == "gpu" and "cuda" in device_fingerprint()["platform_version"].lower()
+_on_nvidia_gpu = on_cuda  # where PTX assembly compiles
 
 
 def _exp2(g: _Geom, x: jax.Array) -> jax.Array:
