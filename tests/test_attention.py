@@ -621,36 +621,56 @@ def test_auto_on_cpu_picks_xla(key: jax.Array) -> None:
     _check(case, x, out, grads)
 
 
-def test_auto_on_hopper_infers_on_the_mosaic_forward(
+def test_auto_on_hopper_runs_the_mosaic_forward(
     key: jax.Array, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On Hopper, where the heuristic trains on cuDNN, calls nothing differentiates run the Mosaic
-    forward; not where Mosaic cannot do the call, nor on other GPUs."""
+    """On Hopper, where the heuristic's first choice is cuDNN, it runs the Mosaic forward: with the
+    Mosaic backward for small calls, cuDNN's backward kernel for large ones; where that refuses,
+    cuDNN trains and the Mosaic forward infers; where Mosaic refuses, and on other GPUs, cuDNN."""
     from ejkfn.attention import _api, _pallas_mosaic
 
     refusal = _api._refusal
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
     monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas"))
-    # cuDNN cannot trace off a CUDA GPU; Mosaic's refusals are its own.
-    monkeypatch.setattr(
-        _api, "_refusal", lambda b, *a: None if b.platform == "cudnn" else refusal(b, *a)
-    )
-    x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    hybrid_runs = [True]
+
+    def on_cuda(backend, shape, args, kwargs, params):
+        # cuDNN's kernels cannot trace off a CUDA GPU; Mosaic's own refusals stand.
+        if backend.platform == "cudnn":
+            return None
+        if params[1].variant == _pallas_mosaic.CUDNN_BWD:
+            return None if hybrid_runs[0] else "cuDNN's backward refuses"
+        return refusal(backend, shape, args, kwargs, params)
+
+    monkeypatch.setattr(_api, "_refusal", on_cuda)
     kernel = FlashAttention()
 
-    def heuristic(hopper: bool, **options: Any) -> AttentionConfig:
+    def heuristic(x: Any, hopper: bool = True, **options: Any) -> AttentionConfig:
         monkeypatch.setattr(_api, "_is_hopper", lambda: hopper)
         return kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=True, **options))
 
-    cfg = heuristic(True)
-    assert (cfg.platform, cfg.variant) == ("cudnn", "cudnn")
-    shape = AttentionShape.of(x, x, AttentionSpec(scale=64**-0.5, causal=True))
-    fp, bp = _pallas_mosaic.heuristic(shape)
-    assert cfg.inference == AttentionConfig(platform="pallas", variant="mosaic", fwd=fp, bwd=bp)
+    def mosaic(x: Any) -> tuple[FwdParams, BwdParams]:
+        shape = AttentionShape.of(x, x, AttentionSpec(scale=x.shape[-1] ** -0.5, causal=True))
+        return _pallas_mosaic.heuristic(shape)
+
+    small = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)  # 2**19 scores
+    fp, bp = mosaic(small)
+    assert heuristic(small) == AttentionConfig(platform="pallas", variant="mosaic", fwd=fp, bwd=bp)
+    large = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)  # 2**29 scores
+    fp_large, bp_large = mosaic(large)
+    cfg = heuristic(large)
+    assert (cfg.platform, cfg.variant, cfg.fwd) == ("pallas", "mosaic", fp_large)
+    assert cfg.bwd == BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
+    hybrid_runs[0] = False
+    fallback = heuristic(large)
+    assert (fallback.platform, fallback.variant) == ("cudnn", "cudnn")
+    assert fallback.inference == AttentionConfig(
+        platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
+    )
     bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)  # Mosaic takes no bias
-    with_bias = heuristic(True, bias=bias)
+    with_bias = heuristic(small, bias=bias)
     assert (with_bias.platform, with_bias.inference) == ("cudnn", None)
-    elsewhere = heuristic(False)
+    elsewhere = heuristic(small, hopper=False)
     assert (elsewhere.platform, elsewhere.inference) == ("cudnn", None)
 
 

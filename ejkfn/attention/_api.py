@@ -350,24 +350,39 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
     return [table[n] for n in ordered]
 
 
-# Where ``auto`` trains on cuDNN on a Hopper GPU, calls that nothing differentiates run the Mosaic
-# forward if it can do them: it read 1.01-1.33x cuDNN's forward at every shape of the H100 and H200
-# tables and 0.99-1.11x at 16k-64k keys (benchmarks/NOTES.md, twenty-fifth round). Tuned and shipped
-# configs decide this per shape; this is the heuristic for shapes they do not cover.
-_HOPPER_INFERENCE = ("pallas", "mosaic")
+# On a Hopper GPU, where ``auto``'s first choice is cuDNN, its heuristic runs the Mosaic forward
+# (1.01-1.33x cuDNN's at every shape of the H100 and H200 tables). Training takes the Mosaic
+# backward up to ``_OWN_BACKWARD_SCORES`` scores per kv head group (B * KVH * Sq * Sk): there cuDNN
+# runs short launches slowly, and the Mosaic pair read 1.06-1.94x its forward+backward at six
+# shapes no shipped config covers on the H100 (benchmarks/NOTES.md, twenty-sixth round). Above it
+# training takes cuDNN's backward kernel on the Mosaic forward's residuals, which tuned 1.3-7.9%
+# ahead of cuDNN at the tables' shapes, where the Mosaic backward reads 0.93-1.04x. Where Mosaic
+# cannot do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and shipped
+# configs decide per shape; this is the heuristic for shapes they do not cover.
+_MOSAIC = ("pallas", "mosaic")
+_OWN_BACKWARD_SCORES = 2**28
 
 
-def _inference_cfg(
+def _hopper_cfg(
     training: AttentionBackend, shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> AttentionConfig | None:
-    """The heuristic ``inference`` config of ``auto`` when it trains on ``training``, or None."""
+    """``auto``'s heuristic config on Hopper where its first choice is ``training``; None: that
+    backend's heuristic config as it is."""
     if training.platform != "cudnn" or not _is_hopper():
         return None
-    forward = backend_for(*_HOPPER_INFERENCE)
-    params = forward.heuristic(shape)
-    if not _native(forward) or _refusal(forward, shape, args, kwargs, params) is not None:
+    mosaic = backend_for(*_MOSAIC)
+    if not _native(mosaic):
         return None
-    return _config(forward, params)
+    fwd, own = mosaic.heuristic(shape)
+    scores = shape.batch * shape.kv_heads * shape.seq_q * shape.seq_k
+    bwd = own if scores <= _OWN_BACKWARD_SCORES else BwdParams(variant=_backend.CUDNN_BWD)
+    if _refusal(mosaic, shape, args, kwargs, (fwd, bwd)) is None:
+        return _config(mosaic, (fwd, bwd))
+    if _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
+        return dataclasses.replace(
+            _config(training, training.heuristic(shape)), inference=_config(mosaic, (fwd, own))
+        )
+    return None
 
 
 def _native(backend: AttentionBackend) -> bool:
@@ -451,8 +466,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
 
     ``platform`` (static) is ``"auto"`` or a registered platform: with ``"auto"``, selection chooses
     among the backends native to the device that can do the call (GPU: cuDNN, then Pallas with Mosaic
-    GPU first on Hopper, then Triton, then XLA; on Hopper, calls that nothing differentiates run the
-    Mosaic forward where the pick is cuDNN; CPU: XLA dense for short sequences, chunked for long);
+    GPU first on Hopper, then Triton, then XLA; on Hopper, where the pick is cuDNN, the Mosaic forward
+    with the Mosaic backward for small calls and cuDNN's backward kernel for large ones; CPU: XLA
+    dense for short sequences, chunked for long);
     with a platform, among that platform's variants (ones not native to the device run in their
     interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
     a config whose backend cannot do the call's features raises ``NotImplementedError`` at trace
@@ -627,8 +643,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                     + "; ".join(reasons)
                 )
             backend = chosen[0]
-            cfg = _config(backend, backend.heuristic(shape))
-            return dataclasses.replace(cfg, inference=_inference_cfg(backend, shape, args, kwargs))
+            hopper = _hopper_cfg(backend, shape, args, kwargs)
+            return hopper or _config(backend, backend.heuristic(shape))
         backend = self._platform_backends(shape)[0]
         return _config(backend, backend.heuristic(shape))
 

@@ -64,6 +64,8 @@ class AttentionShape:
 # blocks, so a pair that suits dK/dV (a wide resident key block, narrow streamed query blocks)
 # leaves dQ with narrow resident rows.
 MIRRORED = "mirrored"
+# BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
+CUDNN_BWD = "cudnn"
 
 
 def dq_blocks(params: BwdParams) -> tuple[int, int]:

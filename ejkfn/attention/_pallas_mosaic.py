@@ -61,7 +61,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams, FwdParams
 from . import _cudnn, _pallas_gpu, _pallas_mosaic_bwd
-from ._backend import MIRRORED, AttentionBackend, AttentionShape, register_backend
+from ._backend import (
+    CUDNN_BWD,
+    MIRRORED,
+    AttentionBackend,
+    AttentionShape,
+    register_backend,
+)
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
@@ -477,9 +483,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
             )
 
         feed_ring(slots, my_tiles, items, fetch, (k_used, v_used), g.one_memory_warp)
-
-
-CUDNN_BWD = "cudnn"  # BwdParams.variant: cuDNN's backward kernel on this forward's residuals
 
 
 def _interpreting(interpret: bool | None) -> bool:
