@@ -352,11 +352,12 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 
 # On a Hopper GPU, where ``auto``'s first choice is cuDNN, its heuristic runs the Mosaic forward
 # (1.01-1.33x cuDNN's at every shape of the H100 and H200 tables). Training takes the Mosaic
-# backward up to ``_OWN_BACKWARD_SCORES`` scores per kv head group (B * KVH * Sq * Sk): there cuDNN
-# runs short launches slowly, and the Mosaic pair read 1.06-1.94x its forward+backward at six
-# shapes no shipped config covers on the H100 (benchmarks/NOTES.md, twenty-sixth round). Above it
-# training takes cuDNN's backward kernel on the Mosaic forward's residuals, which tuned 1.3-7.9%
-# ahead of cuDNN at the tables' shapes, where the Mosaic backward reads 0.93-1.04x. Where Mosaic
+# backward up to ``_OWN_BACKWARD_SCORES`` scores (B * KVH * Sq * Sk): at six shapes no shipped config
+# covers, from 4x512x16x64 to 1x4096x32x128 with 8 kv heads, the Mosaic pair read 1.06-2.07x
+# cuDNN's forward+backward on the H100 and 1.04-1.70x on the H200, and led cuDNN's backward kernel
+# on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above it training takes
+# that hybrid, which the tuner picks at most larger shapes (1x65536: 1.00-1.01x cuDNN, where the
+# Mosaic backward reads 0.92-0.98x). Where Mosaic
 # cannot do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and shipped
 # configs decide per shape; this is the heuristic for shapes they do not cover.
 _MOSAIC = ("pallas", "mosaic")
