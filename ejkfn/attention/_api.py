@@ -357,9 +357,9 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 # cuDNN's forward+backward on the H100 and 1.04-1.70x on the H200, and led cuDNN's backward kernel
 # on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above it training takes
 # that hybrid, which the tuner picks at most larger shapes (1x65536: 1.00-1.01x cuDNN, where the
-# Mosaic backward reads 0.92-0.98x). Where Mosaic
-# cannot do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and shipped
-# configs decide per shape; this is the heuristic for shapes they do not cover.
+# Mosaic backward reads 0.92-0.98x). Where Mosaic cannot do the call, cuDNN trains and the Mosaic
+# forward infers if it can. Tuned and shipped configs decide per shape; this is the heuristic for
+# shapes they do not cover.
 _MOSAIC = ("pallas", "mosaic")
 _OWN_BACKWARD_SCORES = 2**28
 
