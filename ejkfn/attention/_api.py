@@ -379,7 +379,7 @@ def _hopper_cfg(
     bwd = own if scores <= _OWN_BACKWARD_SCORES else BwdParams(variant=_backend.CUDNN_BWD)
     if _refusal(mosaic, shape, args, kwargs, (fwd, bwd)) is None:
         return _config(mosaic, (fwd, bwd))
-    if _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
+    if bwd != own and _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
         return dataclasses.replace(
             _config(training, training.heuristic(shape)), inference=_config(mosaic, (fwd, own))
         )
