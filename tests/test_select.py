@@ -3,6 +3,8 @@
 import dataclasses
 import pickle
 import time
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -609,18 +611,31 @@ def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
     assert len({tuple(order) for order in round_orders}) > 1  # not one fixed order
 
 
-def test_interleaved_seconds_lengthens_short_batches():
+@pytest.fixture
+def slow_call(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[int]], Callable[[], Any]]:
+    """Calls that log themselves and last 6 ms on a fake ``time.perf_counter``: a real sleep
+    overruns by tens of ms on a busy machine, and these tests count calls, not time."""
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def make(log: list[int]) -> Callable[[], Any]:
+        def call() -> jax.Array:
+            log.append(1)
+            now[0] += 0.006
+            return jnp.zeros(())
+
+        return call
+
+    return make
+
+
+def test_interleaved_seconds_lengthens_short_batches(slow_call):
     """A function whose share of a round would last under ``min_batch_seconds`` runs that long
     instead (judged by its warm-up); without the minimum, or without warm-up, it runs its share."""
 
     def batches(**kw):
         log: list[int] = []
-
-        def sleepy():
-            log.append(1)
-            time.sleep(0.005)
-            return jnp.zeros(())
-
+        sleepy = slow_call(log)
         times = ejkfn.interleaved_seconds({"f": sleepy}, calls=3, rounds=3, settle=0, **kw)
         assert len(times["f"]) == 3 and all(t >= 0.005 for t in times["f"])
         return len(log) - kw.get("warmup", 2)
@@ -628,7 +643,7 @@ def test_interleaved_seconds_lengthens_short_batches():
     assert batches() == 3  # a share of one call a round
     assert batches(warmup=0, min_batch_seconds=0.05) == 3
     lengthened = batches(warmup=1, min_batch_seconds=0.05)
-    assert lengthened % 3 == 0 and 4 <= lengthened // 3 <= 10  # 0.05 s of 5 ms calls
+    assert lengthened % 3 == 0 and 4 <= lengthened // 3 <= 10  # 0.05 s of 6 ms calls
     with pytest.raises(ValueError, match=r"min_batch_seconds=-1\.0"):
         ejkfn.interleaved_seconds({"f": lambda: None}, min_batch_seconds=-1.0)
     # settle_seconds lengthens the untimed calls before each turn alike (3 rounds of 4-10 more).
@@ -642,17 +657,13 @@ def test_interleaved_seconds_lengthens_short_batches():
         ejkfn.Tuner(settle_seconds=-1.0)
 
 
-def test_tuner_settles_each_candidate_before_timing_it():
+def test_tuner_settles_each_candidate_before_timing_it(slow_call):
     """``Tuner(settle_seconds=...)`` lengthens the untimed calls before each timed batch as
-    :func:`interleaved_seconds` does (here 0.04 s of 5 ms calls before each of 3 turns)."""
+    :func:`interleaved_seconds` does (here 0.04 s of 6 ms calls before each of 3 turns)."""
 
     def untimed_calls(**kw) -> int:
         log: list[int] = []
-
-        def sleepy():
-            log.append(1)
-            time.sleep(0.005)
-            return jnp.zeros(())
+        sleepy = slow_call(log)
 
         tuner = ejkfn.Tuner(warmup=1, iters=3, rounds=3, min_batch_seconds=0.0, **kw)
         assert tuner.timings({"f": sleepy})["f"] >= 0.005
