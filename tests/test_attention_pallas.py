@@ -324,6 +324,17 @@ def test_triton_configs_fit():
             assert _pallas_gpu._fits(shape, fp, bp)
             for p in (fp, bp):
                 assert p.q_blocksize <= max(16, 1 << (s - 1).bit_length())
+    # bias and mask tiles are pipelined too: the 16-bit heuristic's backward at D=128 asked for
+    # 257 KiB of shared memory with a float32 bias on an H200 (227 KiB there)
+    plain = AttentionShape(
+        batch=2, seq_q=1024, seq_k=1024, heads=8, kv_heads=4, head_dim=128, dtype="bfloat16",
+        spec=spec,
+    )  # fmt: skip
+    biased = dataclasses.replace(plain, spec=dataclasses.replace(spec, has_bias=True))
+    bp = _pallas_gpu.heuristic(plain)[1]
+    assert (bp.q_blocksize, bp.kv_blocksize, bp.num_stages, bp.variant) == (64, 128, 3, MIRRORED)
+    assert not _pallas_gpu._fits_pass(biased, bp, backward=True)
+    assert _pallas_gpu._fits_pass(biased, _pallas_gpu.heuristic(biased)[1], backward=True)
     small = AttentionShape(
         batch=1, seq_q=20, seq_k=20, heads=1, kv_heads=1, head_dim=64, dtype="bfloat16", spec=spec
     )
@@ -928,7 +939,8 @@ def test_mosaic_backward_choice():
         assert _pallas_mosaic_bwd.supports(d, fused_heuristic)
         cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
         fused = {"mosaic_fused"} if d > 64 else set()  # its one head dim: 128 after padding
-        assert {bp.variant for bp in cands} == {"mosaic", None} | fused
+        # and the Triton-lowering backward's, its mirrored blocks among them
+        assert {bp.variant for bp in cands} == {"mosaic", None, MIRRORED} | fused
 
         def blocks(variant, cands=cands):
             return {(bp.kv_blocksize, bp.num_stages) for bp in cands if bp.variant == variant}
@@ -940,9 +952,10 @@ def test_mosaic_backward_choice():
                 assert bp.q_blocksize == 64
     _, bp = _pallas_mosaic.heuristic(shape(256))
     assert bp.variant is None
-    assert all(bp.variant is None for _, bp in _pallas_mosaic.candidates(shape(256)))
+    assert all(bp.variant in (None, MIRRORED) for _, bp in _pallas_mosaic.candidates(shape(256)))
     short = dataclasses.replace(shape(64), seq_q=40, seq_k=40)
-    assert all(bp.kv_blocksize == 64 for _, bp in _pallas_mosaic.candidates(short) if bp.variant)
+    own = [bp for _, bp in _pallas_mosaic.candidates(short) if bp.variant == "mosaic"]
+    assert own and all(bp.kv_blocksize == 64 for bp in own)
 
 
 def test_mosaic_backward_refuses():

@@ -31,6 +31,7 @@ from jax.experimental.pallas import triton as pltriton
 from .._platform import on_cuda
 from .._registry import BwdParams, FwdParams
 from ._backend import (
+    MIRRORED,
     AttentionBackend,
     AttentionShape,
     banded_tile,
@@ -240,9 +241,10 @@ def _needs_right(g: _Geom, over_q: bool) -> bool:
 def _visible(
     g: _Geom, rows: Any, cols: Any, qseg: Any = None, kseg: Any = None, mask: Any = None
 ) -> jax.Array:
-    """Bool ``[rows, cols]``: the spec's visibility rules plus the true key length."""
-    pos = rows[:, None] + g.offset
-    col = cols[None, :]
+    """Bool, the spec's visibility rules plus the true key length, broadcast from query and key
+    indices (and segment ids) shaped ``[n, 1]`` and ``[1, m]`` or the reverse."""
+    pos = rows + g.offset
+    col = cols
     ok = col < g.seq_k
     if g.spec.causal:
         ok &= col <= pos
@@ -250,7 +252,7 @@ def _visible(
         left, right = g.spec.window
         ok &= (col >= pos - left) & (col <= pos + right)
     if qseg is not None:
-        ok &= qseg[:, None] == kseg[None, :]
+        ok &= qseg == kseg
     if mask is not None:
         ok &= mask != 0
     return ok
@@ -274,9 +276,8 @@ def _logits(g: _Geom, q: jax.Array, k: jax.Array, bias: Any) -> tuple[jax.Array,
 
 
 def _keep(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, cols: Any) -> jax.Array:
-    return keep_mask(
-        seed, b, h, rows[:, None], cols[None, :], g.heads, g.seq_q, g.spec.dropout_prob
-    )
+    """Dropout's keep mask, broadcast from index arrays shaped as for ``_visible``."""
+    return keep_mask(seed, b, h, rows, cols, g.heads, g.seq_q, g.spec.dropout_prob)
 
 
 def _three_loops(g: _Geom, bounds: Any, body: Any, carry: Any, over_q: bool) -> Any:
@@ -317,7 +318,9 @@ def _key_block_logits(
     if masked:
         kseg = r.kseg[pl.ds(k0, g.bk)] if r.kseg is not None else None
         mask = r.mask[:, pl.ds(k0, g.bk)] if r.mask is not None else None
-        s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
+        if kseg is not None:
+            qseg, kseg = qseg[:, None], kseg[None, :]
+        s = jnp.where(_visible(g, rows[:, None], cols[None, :], qseg, kseg, mask), s, -jnp.inf)
     return s, tanh
 
 
@@ -361,7 +364,8 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
             p = _exp2(g, s - m_use[:, None])
         den = den * alpha + jnp.sum(p, axis=1)
         if seed is not None:
-            p = jnp.where(_keep(g, seed, b, h, rows, cols), p * inv_keep, 0.0)
+            keep = _keep(g, seed, b, h, rows[:, None], cols[None, :])
+            p = jnp.where(keep, p * inv_keep, 0.0)
         acc = acc * alpha[:, None] + _dot(g, p.astype(v.dtype), v)
         return acc, m_new, den
 
@@ -385,10 +389,10 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
     kb, bkv = pl.program_id(0), pl.program_id(1)
     b, kvh = bkv // g.kv_heads, bkv % g.kv_heads
     k0 = kb * bk
-    cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+    cols = (k0 + jnp.arange(bk, dtype=jnp.int32))[:, None]
     k = r.k[...]
     v = r.v[...]
-    kseg = r.kseg[...] if r.kseg is not None else None
+    kseg = r.kseg[...][:, None] if r.kseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
     bounds = _q_range(g, k0, bq, bk)
@@ -396,10 +400,12 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
     def head(t: Any, carry: Any) -> Any:
         h = kvh * g.group + t
 
+        # On [keys, queries] tiles: p^T and ds^T are then the products' left operands as they
+        # stand, where [queries, keys] tiles needed both turned around through shared memory.
         def body(qb: Any, carry: Any, masked: bool) -> Any:
             dk, dv = carry
             q0 = pl.multiple_of(qb * bq, bq)
-            rows = q0 + jnp.arange(bq, dtype=jnp.int32)
+            rows = (q0 + jnp.arange(bq, dtype=jnp.int32))[None, :]
             q = r.q[pl.ds(q0, bq), t, :]
             do = r.do[pl.ds(q0, bq), t, :]
             lse = r.lse[t, pl.ds(q0, bq)]
@@ -407,26 +413,28 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
             bias = None
             if r.bias is not None:
                 bias = r.bias[t, pl.ds(q0, bq), :] if g.bias_bh[1] else r.bias[pl.ds(q0, bq), :]
-            s, tanh = _logits(g, q, k, bias)
+                bias = bias.T
+            s, tanh = _logits(g, k, q, bias)
             if masked:
-                qseg = r.qseg[pl.ds(q0, bq)] if r.qseg is not None else None
+                qseg = r.qseg[pl.ds(q0, bq)][None, :] if r.qseg is not None else None
                 mask = None
                 if r.mask is not None:
                     mask = r.mask[t, pl.ds(q0, bq), :] if g.mask_bh[1] else r.mask[pl.ds(q0, bq), :]
+                    mask = mask.T
                 s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
-            p = _exp2(g, s - lse[:, None])
-            dp = _dot(g, do, v, tb=True)
+            p = _exp2(g, s - lse[None, :])
+            dp = _dot(g, v, do, tb=True)
             if seed is not None:
                 keep = _keep(g, seed, b, h, rows, cols)
                 pd = jnp.where(keep, p * inv_keep, 0.0)
                 dp = jnp.where(keep, dp * inv_keep, 0.0)
             else:
                 pd = p
-            dv = dv + _dot(g, pd.astype(do.dtype), do, ta=True)
-            ds = p * (dp - delta[:, None])
+            dv = dv + _dot(g, pd.astype(do.dtype), do)
+            ds = p * (dp - delta[None, :])
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
-            dk = dk + _dot(g, ds.astype(q.dtype), q, ta=True)
+            dk = dk + _dot(g, ds.astype(q.dtype), q)
             return dk, dv
 
         return _three_loops(g, bounds, body, carry, over_q=True)
@@ -463,7 +471,7 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
         p = _exp2(g, s - lse[:, None])
         dp = _dot(g, do, v, tb=True)
         if seed is not None:
-            dp = jnp.where(_keep(g, seed, b, h, rows, cols), dp * inv_keep, 0.0)
+            dp = jnp.where(_keep(g, seed, b, h, rows[:, None], cols[None, :]), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if dbias_ref is not None:
             dbias_ref[:, pl.ds(k0, bk)] = ds
@@ -789,6 +797,8 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
     accumulators within the registers, tiles within :data:`_SMEM_LIMIT`."""
     dpad = padded_head_dim(shape.head_dim)
     item = 4 if shape.dtype == "float32" else 2
+    # bias (float32 at most) and int8 mask tiles, pipelined like the blocks
+    pair = 4 * shape.spec.has_bias + shape.spec.has_mask
     seq_q = max(_MIN_BLOCK, _next_pow2(shape.seq_q))
     seq_k = max(_MIN_BLOCK, _next_pow2(shape.seq_k))
     if p.q_blocksize > seq_q or p.kv_blocksize > seq_k:
@@ -800,11 +810,13 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
         return False
     if not backward:
         smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
-        return smem <= _SMEM_LIMIT
+        return smem + p.num_stages * p.q_blocksize * p.kv_blocksize * pair <= _SMEM_LIMIT
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(2 * p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item)
+    dkdv += p.num_stages * p.kv_blocksize * p.q_blocksize * pair
     rows, cols = dq_blocks(p)
     dq = _smem_bytes(2 * rows, cols, dpad, p.num_stages, item)
+    dq += p.num_stages * rows * cols * pair
     return max(dkdv, dq) <= _SMEM_LIMIT
 
 
@@ -819,18 +831,23 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
     two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
     (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
-    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. The backward's (64, 64, 4) beat every
-    alternative tried, with 2 stages at D = 128 and 3 at D = 64 (forward+backward 1.03x two
-    stages, 1.02x causal); the mirrored dQ blocks that won for Triton ran 0.15-0.80x it here
-    (portable_sweep_NVIDIA_H200_20261122-003233), so the tuner does not try them.
+    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. The backward, since its dK/dV kernel
+    works on [keys, queries] tiles (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json,
+    -024656.json, forward+backward): at D = 128 both kernels keeping 128 rows and streaming 64 with
+    8 warps and 3 stages (mirrored) ran 1.00-1.07x the 64 x 64, 4-warp blocks kept before; at
+    D = 64 mirrored 128 kept and 32 streamed, 4 warps, 1.02x 64 x 64 with 3 stages.
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        bp = BwdParams(
+            q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED
+        )
     elif d <= 128:
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
-        bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2)
+        bp = BwdParams(
+            q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
+        )
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
@@ -853,6 +870,11 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bq, bk in ((32, 32), (32, 64), (64, 32), (64, 64), (64, 128), (128, 64))
         for w in (4, 8)
         for s in (1, 2)
+    ]
+    bwds += [
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=MIRRORED)
+        for bq, bk, w in ((32, 64, 4), (32, 128, 4), (64, 128, 8))
+        for s in (2, 3, 4)
     ]
     heur = heuristic(shape)
     if _fits(shape, *heur):
