@@ -831,7 +831,10 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
     two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
     (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
-    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. The backward, since its dK/dV kernel
+    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. Causal at D = 128, 8 warps ran
+    1.04-1.07x 4 at 4x4096, 2x8192 and 2x16384, and 0.97-0.99x without a mask
+    (results/portable_sweep_NVIDIA_H200_20261123-032051.json, -032206.json, with PTX's
+    exponentials). The backward, since its dK/dV kernel
     works on [keys, queries] tiles (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json,
     -024656.json, forward+backward): at D = 128 both kernels keeping 128 rows and streaming 64 with
     8 warps and 3 stages (mirrored) ran 1.00-1.07x the 64 x 64, 4-warp blocks kept before; at
@@ -844,7 +847,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED
         )
     elif d <= 128:
-        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
+        warps = 8 if shape.spec.causal else 4
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=warps, num_stages=3)
         bp = BwdParams(
             q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
         )
