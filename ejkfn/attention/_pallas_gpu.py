@@ -244,13 +244,12 @@ def _visible(
     """Bool, the spec's visibility rules plus the true key length, broadcast from query and key
     indices (and segment ids) shaped ``[n, 1]`` and ``[1, m]`` or the reverse."""
     pos = rows + g.offset
-    col = cols
-    ok = col < g.seq_k
+    ok = cols < g.seq_k
     if g.spec.causal:
-        ok &= col <= pos
+        ok &= cols <= pos
     if g.spec.window is not None:
         left, right = g.spec.window
-        ok &= (col >= pos - left) & (col <= pos + right)
+        ok &= (cols >= pos - left) & (cols <= pos + right)
     if qseg is not None:
         ok &= qseg == kseg
     if mask is not None:
@@ -831,14 +830,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
     two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
     (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
-    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. Causal at D = 128, 8 warps ran
-    1.04-1.07x 4 at 4x4096, 2x8192 and 2x16384, and 0.97-0.99x without a mask
-    (results/portable_sweep_NVIDIA_H200_20261123-032051.json, -032206.json, with PTX's
-    exponentials). The backward, since its dK/dV kernel
-    works on [keys, queries] tiles (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json,
-    -024656.json, forward+backward): at D = 128 both kernels keeping 128 rows and streaming 64 with
-    8 warps and 3 stages (mirrored) ran 1.00-1.07x the 64 x 64, 4-warp blocks kept before; at
-    D = 64 mirrored 128 kept and 32 streamed, 4 warps, 1.02x 64 x 64 with 3 stages.
+    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. With PTX's exponentials, causal at
+    D = 128 on 8 warps ran 1.04-1.07x 4 warps at 4x4096, 2x8192 and 2x16384, and 0.97-0.99x
+    without a mask (results/portable_sweep_NVIDIA_H200_20261123-032051.json, -032206.json).
+
+    The backward, since its dK/dV kernel works on [keys, queries] tiles
+    (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json, -024656.json, forward+backward): at
+    D = 128 both kernels keeping 128 rows and streaming 64 (mirrored) with 8 warps and 3 stages ran
+    1.00-1.07x the 64 x 64, 4-warp blocks kept before; at D = 64 mirrored 128 kept and 32
+    streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages.
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
