@@ -334,7 +334,10 @@ def test_triton_configs_fit():
     bp = _pallas_gpu.heuristic(plain)[1]
     assert (bp.q_blocksize, bp.kv_blocksize, bp.num_stages, bp.variant) == (64, 128, 3, MIRRORED)
     assert not _pallas_gpu._fits_pass(biased, bp, backward=True)
-    assert _pallas_gpu._fits_pass(biased, _pallas_gpu.heuristic(biased)[1], backward=True)
+    # where they would keep one stage, smaller blocks keep three (1.15-1.21x them on an H200)
+    bp = _pallas_gpu.heuristic(biased)[1]
+    assert (bp.q_blocksize, bp.kv_blocksize, bp.num_stages, bp.variant) == (64, 64, 3, None)
+    assert _pallas_gpu._fits_pass(biased, bp, backward=True)
     small = AttentionShape(
         batch=1, seq_q=20, seq_k=20, heads=1, kv_heads=1, head_dim=64, dtype="bfloat16", spec=spec
     )

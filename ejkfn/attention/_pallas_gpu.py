@@ -838,7 +838,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json, -024656.json, forward+backward): at
     D = 128 both kernels keeping 128 rows and streaming 64 (mirrored) with 8 warps and 3 stages ran
     1.00-1.07x the 64 x 64, 4-warp blocks kept before; at D = 64 mirrored 128 kept and 32
-    streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages.
+    streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages. With a float32 bias the mirrored blocks
+    fit one stage, and 64 x 64 with 3 ran 1.15-1.21x them
+    (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json).
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
@@ -849,9 +851,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     elif d <= 128:
         warps = 8 if shape.spec.causal else 4
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=warps, num_stages=3)
-        bp = BwdParams(
-            q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
-        )
+        if shape.spec.has_bias:  # a bias's tiles leave the mirrored blocks one stage; these keep 3
+            bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        else:
+            bp = BwdParams(
+                q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
+            )
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
