@@ -786,9 +786,14 @@ def bwd(
 # Configurations.
 
 
-def _smem_bytes(outer: int, inner: int, dpad: int, stages: int, itemsize: int) -> int:
-    """Rough shared memory of one program: the resident block, pipelined inner blocks, one tile."""
-    return (outer * dpad + 2 * stages * inner * dpad + outer * inner) * itemsize
+def _smem_bytes(
+    kept: int, streamed: int, dpad: int, stages: int, itemsize: int, pair: int, resident: int = 1
+) -> int:
+    """Rough shared memory of one program: ``resident`` kept blocks, the pipelined streamed blocks,
+    a tile per kept block, and ``pair`` bytes a score of bias and mask tiles in each stage."""
+    outer = resident * kept
+    blocks = (outer * dpad + 2 * stages * streamed * dpad + outer * streamed) * itemsize
+    return blocks + stages * kept * streamed * pair
 
 
 def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bool:
@@ -808,14 +813,12 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
     if (p.q_blocksize * dpad + p.q_blocksize * p.kv_blocksize) / (32 * p.num_warps) > 256:
         return False
     if not backward:
-        smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item)
-        return smem + p.num_stages * p.q_blocksize * p.kv_blocksize * pair <= _SMEM_LIMIT
+        smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item, pair)
+        return smem <= _SMEM_LIMIT
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
-    dkdv = _smem_bytes(2 * p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item)
-    dkdv += p.num_stages * p.kv_blocksize * p.q_blocksize * pair
+    dkdv = _smem_bytes(p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item, pair, resident=2)
     rows, cols = dq_blocks(p)
-    dq = _smem_bytes(2 * rows, cols, dpad, p.num_stages, item)
-    dq += p.num_stages * rows * cols * pair
+    dq = _smem_bytes(rows, cols, dpad, p.num_stages, item, pair, resident=2)
     return max(dkdv, dq) <= _SMEM_LIMIT
 
 
