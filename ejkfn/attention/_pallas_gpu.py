@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import struct
 from typing import Any
 
 import jax
@@ -161,6 +162,24 @@ def _exp2(g: _Geom, x: jax.Array) -> jax.Array:
     return y
 
 
+def _exp2_affine(g: _Geom, x: jax.Array, scale: float, shift: jax.Array) -> jax.Array:
+    """``2 ** (x * scale - shift)``, ``shift`` broadcastable to ``x``. XLA compiles Pallas-Triton
+    kernels without fusing a multiply and an add into one instruction: under ``ncu`` its dQ kernel
+    ran an FMUL and an FADD a score where Triton's runs one FFMA (benchmarks/NOTES.md,
+    twenty-eighth round). On the PTX path they are one ``fma`` beside the ``ex2``."""
+    if not g.ptx_exp2 or x.dtype != jnp.float32:
+        return _exp2(g, x * scale - shift)
+    [bits] = struct.unpack("<I", struct.pack("<f", scale))
+    [y] = pltriton.elementwise_inline_asm(
+        f"{{ .reg .f32 t; fma.rn.f32 t, $1, 0f{bits:08X}, $2; ex2.approx.ftz.f32 $0, t; }}",
+        args=[x, jnp.broadcast_to(-shift, x.shape)],  # negated before the broadcast: once a row
+        constraints="=f,f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)],
+    )
+    return y
+
+
 def _dot(g: _Geom, a: jax.Array, b: jax.Array, *, ta: bool = False, tb: bool = False) -> jax.Array:
     precision = lax.Precision.HIGHEST if g.f32 else None
     return pltriton.dot(a, b, trans_a=ta, trans_b=tb, precision=precision)
@@ -274,6 +293,20 @@ def _logits(g: _Geom, q: jax.Array, k: jax.Array, bias: Any) -> tuple[jax.Array,
     return s * LOG2E, t
 
 
+def _probs(
+    g: _Geom, a: jax.Array, b: jax.Array, bias: Any, lse: jax.Array, visible: Any
+) -> tuple[jax.Array, jax.Array | None]:
+    """The backward's probabilities ``2 ** (logits(a b^T) - lse)``, 0 where ``visible`` is False
+    (None: all visible), and ``_logits``'s tanh. ``lse`` is in base 2, broadcastable to the tile."""
+    if g.spec.soft_cap is None and bias is None:
+        p = _exp2_affine(g, _dot(g, a, b, tb=True), g.spec.scale * LOG2E, lse)
+        return (p if visible is None else jnp.where(visible, p, 0.0)), None
+    s, tanh = _logits(g, a, b, bias)
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
+    return _exp2(g, s - lse), tanh
+
+
 def _keep(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, cols: Any) -> jax.Array:
     """Dropout's keep mask, broadcast from index arrays shaped as for ``_visible``."""
     return keep_mask(seed, b, h, rows, cols, g.heads, g.seq_q, g.spec.dropout_prob)
@@ -307,19 +340,33 @@ class _Refs:
         self.outs = tuple(it)
 
 
+def _key_block_bias(g: _Geom, r: _Refs, k0: Any) -> jax.Array | None:
+    """The bias tile of a q block against the key block at ``k0`` (forward and dQ kernels)."""
+    return r.bias[:, pl.ds(k0, g.bk)] if r.bias is not None else None
+
+
+def _key_block_visible(
+    g: _Geom, r: _Refs, k0: Any, rows: Any, cols: Any, qseg: Any, masked: bool
+) -> jax.Array | None:
+    """``_visible`` of a q block against the key block at ``k0``; None when not ``masked``."""
+    if not masked:
+        return None
+    kseg = r.kseg[pl.ds(k0, g.bk)] if r.kseg is not None else None
+    mask = r.mask[:, pl.ds(k0, g.bk)] if r.mask is not None else None
+    if kseg is not None:
+        qseg, kseg = qseg[:, None], kseg[None, :]
+    return _visible(g, rows[:, None], cols[None, :], qseg, kseg, mask)
+
+
 def _key_block_logits(
     g: _Geom, r: _Refs, q: Any, k: Any, k0: Any, rows: Any, cols: Any, qseg: Any, masked: bool
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``_logits`` of a q block against the key block at ``k0`` (forward and dQ kernels), ``-inf``
-    where not visible when ``masked``."""
-    bias = r.bias[:, pl.ds(k0, g.bk)] if r.bias is not None else None
-    s, tanh = _logits(g, q, k, bias)
-    if masked:
-        kseg = r.kseg[pl.ds(k0, g.bk)] if r.kseg is not None else None
-        mask = r.mask[:, pl.ds(k0, g.bk)] if r.mask is not None else None
-        if kseg is not None:
-            qseg, kseg = qseg[:, None], kseg[None, :]
-        s = jnp.where(_visible(g, rows[:, None], cols[None, :], qseg, kseg, mask), s, -jnp.inf)
+    """``_logits`` of a q block against the key block at ``k0``, ``-inf`` where not visible when
+    ``masked``."""
+    s, tanh = _logits(g, q, k, _key_block_bias(g, r, k0))
+    visible = _key_block_visible(g, r, k0, rows, cols, qseg, masked)
+    if visible is not None:
+        s = jnp.where(visible, s, -jnp.inf)
     return s, tanh
 
 
@@ -354,7 +401,10 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
             qk = _dot(g, q, k, tb=True)
             m_new = jnp.maximum(m, jnp.max(qk, axis=1) * scale2)
             alpha = _exp2(g, m - m_new)
-            p = _exp2(g, qk * scale2 - m_new[:, None])
+            if g.dpad <= 64:
+                p = _exp2_affine(g, qk, scale2, m_new[:, None])
+            else:  # at D = 128 the fused form ran this forward 0.97-1.00x (NOTES.md, 28th round)
+                p = _exp2(g, qk * scale2 - m_new[:, None])
         else:
             s, _ = _key_block_logits(g, r, q, k, k0, rows, cols, qseg, masked)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -413,15 +463,15 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
             if r.bias is not None:
                 bias = r.bias[t, pl.ds(q0, bq), :] if g.bias_bh[1] else r.bias[pl.ds(q0, bq), :]
                 bias = bias.T
-            s, tanh = _logits(g, k, q, bias)
+            visible = None
             if masked:
                 qseg = r.qseg[pl.ds(q0, bq)][None, :] if r.qseg is not None else None
                 mask = None
                 if r.mask is not None:
                     mask = r.mask[t, pl.ds(q0, bq), :] if g.mask_bh[1] else r.mask[pl.ds(q0, bq), :]
                     mask = mask.T
-                s = jnp.where(_visible(g, rows, cols, qseg, kseg, mask), s, -jnp.inf)
-            p = _exp2(g, s - lse[None, :])
+                visible = _visible(g, rows, cols, qseg, kseg, mask)
+            p, tanh = _probs(g, k, q, bias, lse[None, :], visible)
             dp = _dot(g, v, do, tb=True)
             if seed is not None:
                 keep = _keep(g, seed, b, h, rows, cols)
@@ -466,8 +516,8 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
         cols = k0 + jnp.arange(bk, dtype=jnp.int32)
         k = r.k[pl.ds(k0, bk), :]
         v = r.v[pl.ds(k0, bk), :]
-        s, tanh = _key_block_logits(g, r, q, k, k0, rows, cols, qseg, masked)
-        p = _exp2(g, s - lse[:, None])
+        visible = _key_block_visible(g, r, k0, rows, cols, qseg, masked)
+        p, tanh = _probs(g, q, k, _key_block_bias(g, r, k0), lse[:, None], visible)
         dp = _dot(g, do, v, tb=True)
         if seed is not None:
             dp = jnp.where(_keep(g, seed, b, h, rows[:, None], cols[None, :]), dp * inv_keep, 0.0)
