@@ -882,10 +882,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
     Measured on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and the
     two before it): the forward at D = 128 with (128, 64, 4 warps, 3 stages) ran 1.04-1.18x
-    (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not, and at D = 64 (64, 64, 4, 3) ran 1.05x
-    (128, 128, 4, 3) not causal and 1.11x causal at 8x2048x32. With PTX's exponentials, causal at
+    (64, 64, 4, 3) at 2x8192 and 4x4096 x16, causal and not. With PTX's exponentials, causal at
     D = 128 on 8 warps ran 1.04-1.07x 4 warps at 4x4096, 2x8192 and 2x16384, and 0.97-0.99x
-    without a mask (results/portable_sweep_NVIDIA_H200_20261123-032051.json, -032206.json).
+    without a mask (results/portable_sweep_NVIDIA_H200_20261123-032051.json, -032206.json). At
+    D = 64, with the fused exponent, (128, 64, 4, 3) ran 1.04-1.11x (64, 64, 4, 3) at 8x2048x32
+    and 2x8192x32, causal and not (results/portable_sweep_NVIDIA_H200_20261123-054724.json,
+    -054814.json).
 
     The backward, since its dK/dV kernel works on [keys, queries] tiles
     (results/pt_bwd_probe_NVIDIA_H200_20261123-024446.json, -024656.json, forward+backward): at
@@ -897,7 +899,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
-        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
         bp = BwdParams(
             q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED
         )

@@ -399,7 +399,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     # and 64 x 64 with 3 stages stayed fastest without a mask.
     d = _block_d(shape.head_dim)
     if d <= 64:
-        fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
+        # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         if shape.spec.causal:
             bp = BwdParams(
                 q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=3, variant=MIRRORED
