@@ -390,9 +390,10 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
     # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
-    # the two before it): the forward with 64 x 64, 4 warps, 3 stages was the fastest at 5 of 6
-    # shapes (2x8192 and 4x4096 x16x128, 8x2048x32x64, causal and not), 1.02-1.10x the blocks before
-    # it, and 0.97x the fastest at 4x4096x16x128. The backward from portable_sweep_NVIDIA_H200_
+    # the two before it): the forward with 64 x 64, 4 warps, 3 stages was the fastest of the blocks
+    # swept then at 5 of 6 shapes (2x8192 and 4x4096 x16x128, 8x2048x32x64, causal and not),
+    # 1.02-1.10x the blocks before it, and 0.97x the fastest at 4x4096x16x128; it stays at D = 128
+    # (at D = 64, below, a later sweep with 128 x 64 among the blocks moved it). The backward from portable_sweep_NVIDIA_H200_
     # 20261122-002211 and -002627 (forward+backward): at D = 128 both kernels keeping 128 rows and
     # streaming 64 with 8 warps and 3 stages (mirrored) ran 1.02-1.07x the 64 x 64, 4-warp blocks
     # before it, causal and not; at D = 64 mirrored 64 kept and 32 streamed ran 1.05-1.06x causal,
