@@ -495,9 +495,11 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
 
 
 def _dq_kernel(*refs: Any, g: _Geom) -> None:
-    r = _Refs(g, refs, ("do", "lse", "delta"))
-    dq_ref = r.outs[0]
-    dbias_ref = r.outs[1] if g.spec.has_bias else None
+    """dQ of a q block, and its rows' ``delta = rowsum(dout * out)``, stored for the dK/dV kernel
+    (read here beside dout, it needs no pass over out and dout of its own)."""
+    r = _Refs(g, refs, ("do", "lse", "out"))
+    dq_ref, delta_ref = r.outs[:2]
+    dbias_ref = r.outs[2] if g.spec.has_bias else None
     bq, bk = g.bq, g.bk
     qi, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // g.heads, bh % g.heads
@@ -506,7 +508,8 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
     q = r.q[...]
     do = r.do[...]
     lse = r.lse[...]
-    delta = r.delta[...]
+    delta = jnp.sum(r.out[...].astype(jnp.float32) * do.astype(jnp.float32), axis=1)
+    delta_ref[...] = delta
     qseg = r.qseg[...] if r.qseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
@@ -727,15 +730,14 @@ def bwd(
     interpret = _resolve_interpret(interpret)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize, interpret)
     gq = _geom(q, k, bias, mask, spec, *dq_blocks(params), interpret)  # the dQ kernel's blocks
-    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that see no key have lse = -inf; +inf makes their probabilities exactly 0 in the kernels.
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
     cp = _compiler_params(params)
     group = g.group
 
-    def padded(geom: _Geom) -> list[Any]:
+    def padded(geom: _Geom, last: Any) -> list[Any]:
         """The operands padded to ``geom``'s blocks (the two kernels' pads are one under jit when
-        their blocks pad to the same sizes)."""
+        their blocks pad to the same sizes), then ``last`` (out for dQ, delta for dK/dV)."""
         sqp, skp = geom.sqp, geom.skp
         return [
             _pad_qkv(geom, q, sqp),
@@ -743,9 +745,48 @@ def bwd(
             _pad_qkv(geom, v, skp),
             _pad_qkv(geom, dout.astype(q.dtype), sqp),
             _pad(lse2, 2, sqp, jnp.inf),
-            _pad(delta, 2, sqp),
+            last,
             *_extras(geom, bias, mask, q_seg, kv_seg, seed),
         ]
+
+    # dQ (and dbias): grid (q block, batch * head).
+    qspec = pl.BlockSpec(
+        (None, gq.bq, None, gq.dpad), lambda i, j: (_bh(gq, j)[0], i, _bh(gq, j)[1], 0)
+    )
+    kvspec = pl.BlockSpec(
+        (None, gq.skp, None, gq.dpad),
+        lambda i, j: (_bh(gq, j)[0], 0, _bh(gq, j)[1] // group, 0),
+    )
+    rowspec = pl.BlockSpec((None, None, gq.bq), lambda i, j: (*_bh(gq, j), i))
+    out_specs = [qspec, rowspec]
+    out_shape = [
+        jax.ShapeDtypeStruct((gq.batch, gq.sqp, gq.heads, gq.dpad), q.dtype),
+        jax.ShapeDtypeStruct((gq.batch, gq.heads, gq.sqp), jnp.float32),
+    ]
+    if spec.has_bias:
+        out_specs.append(
+            pl.BlockSpec((None, None, gq.bq, gq.skp), lambda i, j: (*_bh(gq, j), i, 0))
+        )
+        out_shape.append(jax.ShapeDtypeStruct((gq.batch, gq.heads, gq.sqp, gq.skp), jnp.float32))
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, g=gq),
+        grid=(gq.sqp // gq.bq, gq.batch * gq.heads),
+        in_specs=[
+            qspec,
+            kvspec,
+            kvspec,
+            qspec,
+            rowspec,
+            qspec,
+            *_extra_specs_rows(gq, gq.bq, lambda i: i),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=cp,
+        interpret=interpret,
+        name="ejkfn_flash_bwd_dq",
+    )(*padded(gq, _pad_qkv(gq, out.astype(q.dtype), gq.sqp)))
+    delta = _pad(res[1][:, :, : g.seq_q], 2, g.sqp)  # to the dK/dV kernel's padding
 
     # dK, dV: grid (kv block, batch * kv head); each program sums over its group's query heads.
     def bkvh(j: Any) -> tuple[Any, Any]:
@@ -780,46 +821,12 @@ def bwd(
         compiler_params=cp,
         interpret=interpret,
         name="ejkfn_flash_bwd_dkdv",
-    )(*padded(g))
+    )(*padded(g, delta))
 
-    # dQ (and dbias): grid (q block, batch * head).
-    qspec = pl.BlockSpec(
-        (None, gq.bq, None, gq.dpad), lambda i, j: (_bh(gq, j)[0], i, _bh(gq, j)[1], 0)
-    )
-    kvspec = pl.BlockSpec(
-        (None, gq.skp, None, gq.dpad),
-        lambda i, j: (_bh(gq, j)[0], 0, _bh(gq, j)[1] // group, 0),
-    )
-    rowspec = pl.BlockSpec((None, None, gq.bq), lambda i, j: (*_bh(gq, j), i))
-    out_specs = [qspec]
-    out_shape = [jax.ShapeDtypeStruct((gq.batch, gq.sqp, gq.heads, gq.dpad), q.dtype)]
-    if spec.has_bias:
-        out_specs.append(
-            pl.BlockSpec((None, None, gq.bq, gq.skp), lambda i, j: (*_bh(gq, j), i, 0))
-        )
-        out_shape.append(jax.ShapeDtypeStruct((gq.batch, gq.heads, gq.sqp, gq.skp), jnp.float32))
-    res = pl.pallas_call(
-        functools.partial(_dq_kernel, g=gq),
-        grid=(gq.sqp // gq.bq, gq.batch * gq.heads),
-        in_specs=[
-            qspec,
-            kvspec,
-            kvspec,
-            qspec,
-            rowspec,
-            rowspec,
-            *_extra_specs_rows(gq, gq.bq, lambda i: i),
-        ],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=cp,
-        interpret=interpret,
-        name="ejkfn_flash_bwd_dq",
-    )(*padded(gq))
     dq = res[0][:, : g.seq_q, :, : g.head_dim]
     dbias = None
     if spec.has_bias:
-        full = res[1][:, :, : g.seq_q, : g.seq_k]
+        full = res[2][:, :, : g.seq_q, : g.seq_k]
         axes = tuple(a for a in (0, 1) if bias.shape[a] == 1 and full.shape[a] != 1)
         full = jnp.sum(full, axis=axes, keepdims=True)
         dbias = jnp.sum(full, axis=tuple(a for a in (2, 3) if bias.shape[a] == 1), keepdims=True)

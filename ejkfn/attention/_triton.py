@@ -2,11 +2,11 @@
 
 Forward: one program per (q block, batch * head) runs an online softmax over the key blocks the
 causal and window limits leave visible, writing the output and the log-sum-exp. Backward
-(FlashAttention 2, no atomics): a preprocess kernel computes ``delta = rowsum(dout * out)``; a dK/dV
-kernel (one program per (kv block, batch * kv head)) loops over the query heads of its GQA group and
-their visible q blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when
-there is a bias; a dQ kernel (one program per (q block, batch * head)) loops over key blocks. With
-``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
+(FlashAttention 2, no atomics): a dQ kernel (one program per (q block, batch * head)) loops over key
+blocks and also writes ``delta = rowsum(dout * out)`` of its rows; then a dK/dV kernel (one program
+per (kv block, batch * kv head)) loops over the query heads of its GQA group and their visible q
+blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when there is a bias.
+With ``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
 (:func:`._backend.dq_blocks`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
@@ -291,27 +291,27 @@ def bwd(
     dout = dout.astype(q.dtype)
     out = out.astype(q.dtype)
     bh = call.batch * call.heads
-    (delta,) = launch(
-        kern.bwd_preprocess_kernel,
-        out,
-        dout,
-        grid=(_cdiv(call.seq_q, block_q), bh),
-        out_shapes=(jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),),
-        num_warps=4,
-        num_stages=1,
-        interpret=interpret,
-        HEADS=call.heads,
-        SEQ_Q=call.seq_q,
-        HEAD_DIM=meta["HEAD_DIM"],
-        SOB=meta["SQB"],
-        SOS=meta["SQS"],
-        SOH=meta["SQH"],
-        BLOCK_Q=block_q,
-        BLOCK_D=call.block_d,
-    )
     lse = lse.astype(jnp.float32)
     common = dict(
         **meta, SDOB=meta["SQB"], SDOS=meta["SQS"], SDOH=meta["SQH"], BLOCK_D=call.block_d
+    )
+    dq, delta = launch(
+        kern.bwd_dq_kernel,
+        *call.inputs,
+        dout,
+        lse,
+        out,
+        grid=(_cdiv(call.seq_q, dq_rows), bh),
+        out_shapes=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),
+        ),
+        num_warps=params.num_warps,
+        num_stages=params.num_stages,
+        interpret=interpret,
+        BLOCK_Q=dq_rows,
+        BLOCK_K=dq_cols,
+        **common,
     )
     has_bias = bias is not None
     dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
@@ -333,21 +333,6 @@ def bwd(
         zeroed=(2,) if has_bias else (),
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
-        **common,
-    )
-    (dq,) = launch(
-        kern.bwd_dq_kernel,
-        *call.inputs,
-        dout,
-        lse,
-        delta,
-        grid=(_cdiv(call.seq_q, dq_rows), bh),
-        out_shapes=(jax.ShapeDtypeStruct(q.shape, q.dtype),),
-        num_warps=params.num_warps,
-        num_stages=params.num_stages,
-        interpret=interpret,
-        BLOCK_Q=dq_rows,
-        BLOCK_K=dq_cols,
         **common,
     )
     dbias = None

@@ -422,35 +422,6 @@ def fwd_kernel(
 
 @triton.jit
 @no_type_check
-def bwd_preprocess_kernel(
-    Out,
-    DOut,
-    Delta,
-    HEADS: tl.constexpr,
-    SEQ_Q: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SOB: tl.constexpr,
-    SOS: tl.constexpr,
-    SOH: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """``delta = rowsum(dout * out)`` in float32 (out and dout share a layout)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HEADS
-    h = bh % HEADS
-    rows = pid_m * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    msk = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
-    offs = b.to(tl.int64) * SOB + h * SOH + rows[:, None] * SOS + offs_d[None, :]
-    o = tl.load(Out + offs, mask=msk, other=0.0).to(tl.float32)
-    do = tl.load(DOut + offs, mask=msk, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, tl.sum(o * do, 1), mask=rows < SEQ_Q)
-
-
-@triton.jit
-@no_type_check
 def _dkdv_inner(
     dk,
     dv,
@@ -733,8 +704,9 @@ def bwd_dq_kernel(
     Seed,
     DOut,
     Lse,
-    Delta,
+    Out,
     DQ,
+    Delta,
     HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     SEQ_Q: tl.constexpr,
@@ -776,7 +748,9 @@ def bwd_dq_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """dQ of one query block of one head, looping over the key blocks it sees."""
+    """dQ of one query block of one head, looping over the key blocks it sees, and the block's
+    ``delta = rowsum(dout * out)`` (float32), which it stores for the dK/dV kernel: read here,
+    beside dout, it costs no pass over out and dout of its own."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         # The last q blocks see the most keys: start them first so the tail of the grid is short.
@@ -799,9 +773,15 @@ def bwd_dq_kernel(
         mask=q_mask,
         other=0.0,
     )
+    o = tl.load(
+        Out + b64 * SDOB + h * SDOH + rows[:, None] * SDOS + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, delta, mask=rows < SEQ_Q)
     lse = tl.load(Lse + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
-    delta = tl.load(Delta + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
     k_base = K + b64 * SKB + kvh * SKH
     v_base = V + b64 * SVB + kvh * SVH
     bias_base = Bias + b64 * SBB + h * SBH
