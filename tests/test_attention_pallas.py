@@ -964,6 +964,13 @@ def test_mosaic_backward_choice():
         for bp in cands:
             if bp.variant == "mosaic_fused":
                 assert bp.q_blocksize == 64
+    # causal at head dim 64 without GQA below 16k keys: the Triton-lowering backward, which led there
+    no_gqa_64 = dataclasses.replace(shape(64), kv_heads=16)
+    assert _pallas_mosaic.heuristic(no_gqa_64)[1] == _pallas_gpu.heuristic(no_gqa_64)[1]
+    assert _pallas_mosaic.heuristic(no_gqa_64)[1].variant == MIRRORED
+    assert _pallas_mosaic.heuristic(dataclasses.replace(no_gqa_64, head_dim=96))[1].variant == (
+        "mosaic"
+    )
     _, bp = _pallas_mosaic.heuristic(shape(256))
     assert bp.variant is None
     assert all(bp.variant in (None, MIRRORED) for _, bp in _pallas_mosaic.candidates(shape(256)))

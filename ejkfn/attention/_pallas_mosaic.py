@@ -739,7 +739,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
     backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
     the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the
-    Triton-lowering one.
+    Triton-lowering one (also where it leads: :func:`_portable_backward_leads`).
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
@@ -755,11 +755,25 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
     split = _mosaic_bwd(shape)
-    if split is None:
+    if split is None or _portable_backward_leads(shape):
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
     long_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
     return fp, fused if fused and (not shape.spec.causal or long_causal) else split
+
+
+def _portable_backward_leads(shape: AttentionShape) -> bool:
+    """Causal at head dims up to 64 without GQA, below ``FUSED_CAUSAL_KEYS`` keys, the
+    Triton-lowering backward (with its [keys, queries] dK/dV tiles) ran 1.03-1.10x the Mosaic split
+    one after this forward on an H200, forward+backward at 16x1024x16x64, 8x2048x32x64,
+    4x4096x32x64 and 2x8192x32x64; with GQA (8x2048x32/8x64) 0.96x, and without a mask 0.96-0.98x
+    (results/mosaic_ptbwd_NVIDIA_H200_20261123-075213.json, -075421.json)."""
+    return (
+        shape.spec.causal
+        and _padded_head_dim(shape.head_dim) <= 64
+        and shape.heads == shape.kv_heads
+        and shape.seq_k < FUSED_CAUSAL_KEYS
+    )
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
