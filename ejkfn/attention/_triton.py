@@ -137,6 +137,11 @@ class _Call:
     seq_k: int
     block_d: int
 
+    @property
+    def row_stats(self) -> jax.ShapeDtypeStruct:
+        """A float32 value per query row of each head ([B, H, Sq]): the forward's lse, delta."""
+        return jax.ShapeDtypeStruct((self.batch, self.heads, self.seq_q), jnp.float32)
+
 
 def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _Call:
     _check(q, k, v)
@@ -243,7 +248,7 @@ def fwd(
         grid=(_cdiv(call.seq_q, block_q) * call.batch * call.heads,),  # numbered by _tile
         out_shapes=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),
+            call.row_stats,
         ),
         num_warps=params.num_warps,
         num_stages=params.num_stages,
@@ -304,7 +309,7 @@ def bwd(
         grid=(_cdiv(call.seq_q, dq_rows), bh),
         out_shapes=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((call.batch, call.heads, call.seq_q), jnp.float32),
+            call.row_stats,
         ),
         num_warps=params.num_warps,
         num_stages=params.num_stages,
@@ -378,11 +383,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     # the two before it): the forward with 64 x 64, 4 warps, 3 stages was the fastest of the blocks
     # swept then at 5 of 6 shapes (2x8192 and 4x4096 x16x128, 8x2048x32x64, causal and not),
     # 1.02-1.10x the blocks before it, and 0.97x the fastest at 4x4096x16x128; it stays at D = 128
-    # (at D = 64, below, a later sweep with 128 x 64 among the blocks moved it). The backward from portable_sweep_NVIDIA_H200_
-    # 20261122-002211 and -002627 (forward+backward): at D = 128 both kernels keeping 128 rows and
-    # streaming 64 with 8 warps and 3 stages (mirrored) ran 1.02-1.07x the 64 x 64, 4-warp blocks
-    # before it, causal and not; at D = 64 mirrored 64 kept and 32 streamed ran 1.05-1.06x causal,
-    # and 64 x 64 with 3 stages stayed fastest without a mask.
+    # (at D = 64, below, a later sweep with 128 x 64 among the blocks moved it). The backward from
+    # portable_sweep_NVIDIA_H200_20261122-002211 and -002627 (forward+backward): at D = 128 both
+    # kernels keeping 128 rows and streaming 64 with 8 warps and 3 stages (mirrored) ran
+    # 1.02-1.07x the 64 x 64, 4-warp blocks before it, causal and not; at D = 64 mirrored 64 kept
+    # and 32 streamed ran 1.05-1.06x causal, and 64 x 64 with 3 stages stayed fastest without a
+    # mask.
     d = _block_d(shape.head_dim)
     if d <= 64:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
