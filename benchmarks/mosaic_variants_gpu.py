@@ -132,9 +132,14 @@ def implementations(
     split = _pallas_mosaic._mosaic_bwd(shape)  # None where the head dim is too large
     # The tile orders the kernels do not take by default for this shape (_mosaic_grid.split_index).
     other_fwd = not _pallas_mosaic.FWD_ALONG_SEQUENCE
-    other_bwd = not _pallas_mosaic_bwd._along_sequence(case.causal, case.seq, case.seq)
+    default_bwd = _pallas_mosaic_bwd._along_sequence(
+        case.causal, case.seq, case.seq, case.heads // case.kv_heads
+    )
 
-    def order(along_sequence: bool) -> str:
+    def order(along_sequence: bool | tuple[bool, bool]) -> str:
+        if isinstance(along_sequence, tuple):  # the backward's (dK/dV, dQ)
+            dkdv, dq = (order(o).removeprefix("tiles ") for o in along_sequence)
+            return f"dK/dV tiles {dkdv}, dQ tiles {dq}"
         return "tiles along the sequence" if along_sequence else "tiles heads fastest"
 
     if not backward:
@@ -176,13 +181,14 @@ def implementations(
         bp: BwdParams,
         fwd_persistent: bool = True,
         bwd_persistent: tuple[bool, bool] | None = None,
-        along_sequence: bool | None = None,
+        along_sequence: bool | tuple[bool, bool] | None = None,
         balanced: bool = True,
         module: ModuleType = _pallas_mosaic_bwd,
         split_tail: bool = True,
         **options: Any,
     ):
-        """The Mosaic forward and backward called directly, with the kernels' private options."""
+        """The Mosaic forward and backward called directly, with the kernels' private options
+        (``along_sequence``: the backward's tile orders; the forward keeps its own)."""
 
         def both(q, k, v, do):
             out, lse = _pallas_mosaic._forward(
@@ -193,7 +199,6 @@ def implementations(
                 params=None,
                 interpret=None,
                 persistent=fwd_persistent,
-                along_sequence=along_sequence,
                 balanced=balanced,
                 split_tail=split_tail,
             )
@@ -217,9 +222,17 @@ def implementations(
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
-            if other_order:
-                impls[f"mosaic + {name}, {order(other_bwd)}"] = direct(bp, along_sequence=other_bwd)
-    if other_order and other_bwd and split and _pallas_mosaic_bwd.supports(case.dim, split):
+            if other_order:  # every other pair of orders (the fused one has no dQ kernel)
+                dq_orders = (default_bwd[1],) if name == "fused" else (True, False)
+                for pair in ((a, b) for a in (True, False) for b in dq_orders):
+                    if pair != default_bwd:
+                        impls[f"mosaic + {name}, {order(pair)}"] = direct(bp, along_sequence=pair)
+    if (
+        other_order
+        and not default_bwd[0]
+        and split
+        and _pallas_mosaic_bwd.supports(case.dim, split)
+    ):
         # Causal tiles along the sequence with the dK/dV kernel on the persistent grid, whose rounds
         # alternate direction (as the forward's do) to even out the tiles' unequal work.
         name = "mosaic + split, tiles along the sequence, dK/dV persistent"
@@ -315,7 +328,8 @@ def main() -> int:
     parser.add_argument(
         "--tile-order",
         action="store_true",
-        help="also the kernels with the tile order they do not take by default for the shape",
+        help="also the kernels with the tile orders they do not take by default for the shape "
+        "(the backward's: every other (dK/dV, dQ) pair)",
     )
     parser.add_argument(
         "--unbalanced",

@@ -724,7 +724,7 @@ def test_mosaic_persistent_grid_matches_one_tile_per_cta(name, bwd_name, other_o
     )
     _assert_same_results(persistent, one_tile, fused=bwd_name == "fused")
     if other_orders:
-        orders = (not _pallas_mosaic.FWD_ALONG_SEQUENCE, not g.along_sequence)
+        orders = (not _pallas_mosaic.FWD_ALONG_SEQUENCE, tuple(not o for o in g.along_sequence))
         other = _mosaic_fwd_bwd(case, bp, x, along_sequence=orders)
         _assert_same_results(other, persistent, fused=bwd_name == "fused")
 
@@ -886,18 +886,26 @@ def test_mosaic_dq_rounds_balance_causal_work():
 
 
 def test_mosaic_tile_order_rule():
-    """The forward goes along the sequence; the backward too, except causal below 16k keys."""
+    """The forward goes along the sequence; the backward's dQ kernel too, and its dK/dV kernel
+    except causal with GQA below 16k keys."""
     assert _pallas_mosaic.FWD_ALONG_SEQUENCE
     rule = _pallas_mosaic_bwd._along_sequence
-    assert rule(False, 2048, 2048) and rule(True, 16384, 16384) and rule(True, 128, 65536)
-    assert not rule(True, 8192, 8192)
-    for name, want in (("causal_gqa_ragged_d64", False), ("gqa_d128_q128_ragged", True)):
+    assert rule(False, 2048, 2048, 4) == rule(True, 8192, 8192, 1) == (True, True)
+    assert rule(True, 16384, 16384, 4) == rule(True, 128, 65536, 4) == (True, True)
+    assert rule(True, 8192, 8192, 4) == (False, True)
+    for name, want in (
+        ("causal_gqa_ragged_d64", (False, True)),
+        ("gqa_d128_q128_ragged", (True, True)),
+    ):
         case, bp = MOSAIC_BWD_CASES[name]
         x = _abstract_inputs(case)
-        assert (
-            _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None).along_sequence
-            is want
-        )
+        g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
+        assert g.along_sequence == want
+    # a single order given applies to both kernels
+    case, bp = MOSAIC_BWD_CASES["causal_gqa_ragged_d64"]
+    x = _abstract_inputs(case)
+    g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None, along_sequence=False)
+    assert g.along_sequence == (False, False)
 
 
 # The split backward's case, causal_gqa_ragged_d64, runs in
@@ -940,13 +948,15 @@ def test_mosaic_backward_choice():
 
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
-        assert bp.variant == "mosaic"  # the fused one measured slower causal on an H200
+        assert bp.variant == "mosaic"  # GQA: the split one
         long = dataclasses.replace(shape(d), seq_q=16384, seq_k=16384)
-        assert _pallas_mosaic.heuristic(long)[1].variant == "mosaic"  # GQA: the split one
-        no_gqa = dataclasses.replace(long, kv_heads=16)
-        assert _pallas_mosaic.heuristic(no_gqa)[1].variant == (
-            "mosaic_fused" if d > 64 else "mosaic"  # from 16k keys the fused one led causal too
-        )
+        assert _pallas_mosaic.heuristic(long)[1].variant == "mosaic"
+        for seq, fused_leads in ((2048, False), (4096, True), (16384, True)):
+            no_gqa = dataclasses.replace(shape(d), seq_q=seq, seq_k=seq, kv_heads=16)
+            if d > 64 or seq >= 16384:  # (head dim 64 below 16k keys: see below)
+                assert _pallas_mosaic.heuristic(no_gqa)[1].variant == (
+                    "mosaic_fused" if d > 64 and fused_leads else "mosaic"
+                )
         full = dataclasses.replace(shape(d), spec=AttentionSpec(scale=0.1))
         fused_heuristic = _pallas_mosaic.heuristic(full)[1]
         assert fused_heuristic.variant == ("mosaic_fused" if d > 64 else "mosaic")
@@ -968,9 +978,9 @@ def test_mosaic_backward_choice():
     no_gqa_64 = dataclasses.replace(shape(64), kv_heads=16)
     assert _pallas_mosaic.heuristic(no_gqa_64)[1] == _pallas_gpu.heuristic(no_gqa_64)[1]
     assert _pallas_mosaic.heuristic(no_gqa_64)[1].variant == MIRRORED
-    assert _pallas_mosaic.heuristic(dataclasses.replace(no_gqa_64, head_dim=96))[1].variant == (
-        "mosaic"
-    )
+    # above head dim 64 the Mosaic one (here the fused one: 4096 keys without GQA)
+    wider = dataclasses.replace(no_gqa_64, head_dim=96)
+    assert _pallas_mosaic.heuristic(wider)[1].variant == "mosaic_fused"
     _, bp = _pallas_mosaic.heuristic(shape(256))
     assert bp.variant is None
     assert all(bp.variant in (None, MIRRORED) for _, bp in _pallas_mosaic.candidates(shape(256)))

@@ -104,7 +104,8 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 # 1x65536 (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
-FUSED_CAUSAL_KEYS = 16384  # causal, the fused backward from this many keys (see heuristic)
+FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see heuristic)
+PORTABLE_CAUSAL_KEYS = 16384  # causal at head dim 64, below this the Triton-lowering backward
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
@@ -748,8 +749,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     and lost at every shape. At D=128 the fused backward ran forward+backward 1.01-1.06x the split
     one not causal and 0.94-1.04x causal on an H200
     (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys 1.03-1.04x
-    (2x16384, 1x32768, 1x65536), below it 0.94-1.01x, with GQA (1x32768, 32/8 heads) 0.99x
-    (results/mosaic_variants_NVIDIA_H200_20261121-213925.json, -214449.json).
+    (2x16384, 1x32768, 1x65536), with GQA (1x32768, 32/8 heads) 0.99x
+    (results/mosaic_variants_NVIDIA_H200_20261121-213925.json, -214449.json). Below 16k keys it
+    read 0.94-1.01x with its tiles heads fastest; along the sequence (the order it now takes causal)
+    1.00-1.03x the split one at 4x4096 and 0.99-1.03x at 2x8192 over three runs on an H200 and one
+    on an H100, 0.96-0.98x at 4x2048 (results/bwd_orders_NVIDIA_H200_20261123-092530.json,
+    -093257.json, bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json,
+    mosaic_variants_NVIDIA_H200_20261123-092040.json).
     """
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
@@ -758,21 +764,23 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if split is None or _portable_backward_leads(shape):
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
-    long_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
-    return fp, fused if fused and (not shape.spec.causal or long_causal) else split
+    fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
+    return fp, fused if fused and (not shape.spec.causal or fused_causal) else split
 
 
 def _portable_backward_leads(shape: AttentionShape) -> bool:
-    """Causal at head dims up to 64 without GQA, below ``FUSED_CAUSAL_KEYS`` keys, the
+    """Causal at head dims up to 64 without GQA, below ``PORTABLE_CAUSAL_KEYS`` keys, the
     Triton-lowering backward (with its [keys, queries] dK/dV tiles) ran 1.03-1.10x the Mosaic split
     one after this forward on an H200, forward+backward at 16x1024x16x64, 8x2048x32x64,
     4x4096x32x64 and 2x8192x32x64; with GQA (8x2048x32/8x64) 0.96x, and without a mask 0.96-0.98x
-    (results/mosaic_ptbwd_NVIDIA_H200_20261123-075213.json, -075421.json)."""
+    (results/mosaic_ptbwd_NVIDIA_H200_20261123-075213.json, -075421.json). Against the split one
+    with its tiles along the sequence: 1.02-1.04x at the first three, 0.99x at 2x8192x32x64 (0.98x
+    on an H100; results/bwd_orders_NVIDIA_H200_20261123-093257.json)."""
     return (
         shape.spec.causal
         and _padded_head_dim(shape.head_dim) <= 64
         and shape.heads == shape.kv_heads
-        and shape.seq_k < FUSED_CAUSAL_KEYS
+        and shape.seq_k < PORTABLE_CAUSAL_KEYS
     )
 
 

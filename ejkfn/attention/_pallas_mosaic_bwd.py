@@ -32,8 +32,9 @@ GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have
 and the compute warpgroups keep the registers a memory warpgroup would hold (``_Geom.self_fed``).
 
 Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
-work together read the same stream from L2) except causal below 16k keys, where heads fastest evens
-out the tiles' unequal work (:func:`._mosaic_grid.split_index`).
+work together read the same stream from L2, which saves HBM traffic and with it power, hence clock),
+except the dK/dV kernel causal with GQA below 16k keys, where heads fastest evens out its long
+tiles' unequal work (:func:`_along_sequence`, :func:`._mosaic_grid.split_index`).
 
 Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal
 (the fused kernel masks instead of skipping: every block's dQ needs both warpgroups' dS).
@@ -209,7 +210,7 @@ class _Geom:
     batch: int
     resident: int  # CTAs a persistent grid may launch
     persistent: tuple[bool, bool]  # whether the dK/dV and the dQ kernel run on a persistent grid
-    along_sequence: bool  # tile order of both kernels (see _mosaic_grid.split_index)
+    along_sequence: tuple[bool, bool]  # tile orders of the dK/dV and the dQ kernel (split_index)
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
@@ -287,7 +288,7 @@ class _Geom:
             )
         work = query_tiles_work(
             self.kv_steps, self.heads, self.batch, self.q_tiles, Q_TILE_WGS * WG_ROWS,
-            self.causal, self.along_sequence,
+            self.causal, self.along_sequence[1],
         )  # fmt: skip
         return Rounds.balanced(work, self.resident, True)
 
@@ -296,7 +297,7 @@ class _Geom:
         first keys (which causal queries see most) first."""
         index = self.dkdv_rounds.index(cta, t)
         b, kvh, rank = split_index(
-            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence
+            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0]
         )
         return b, kvh, rank * self.key_rows
 
@@ -305,7 +306,7 @@ class _Geom:
         index = self.dq_rounds.index(cta, t)
         rows = Q_TILE_WGS * WG_ROWS
         return query_tile(
-            index, self.heads, self.batch, self.q_tiles, rows, self.causal, self.along_sequence
+            index, self.heads, self.batch, self.q_tiles, rows, self.causal, self.along_sequence[1]
         )
 
     # dK/dV: which query blocks the keys from ``key`` on see.
@@ -772,15 +773,27 @@ def _dq_kernel(
         feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
 
 
-LONG_CAUSAL = 16384  # causal sequences from here on take tiles along the sequence
+LONG_CAUSAL = 16384  # from here on causal GQA's dK/dV tiles go along the sequence too
 
 
-def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> bool:
-    """The kernels' default tile order (:func:`._mosaic_grid.split_index`). Measured on an H200
-    against heads fastest (results/mosaic_variants_NVIDIA_H200_20261121-174012.json): not causal,
-    1.00-1.16x forward+backward; causal, 1.05-1.06x from 16k keys up and 0.94-1.00x at 4k-8k (head
-    dim 128), where heads fastest evens out the tiles' unequal work."""
-    return not causal or max(seq_q, seq_k) >= LONG_CAUSAL
+def _along_sequence(causal: bool, seq_q: int, seq_k: int, group: int) -> tuple[bool, bool]:
+    """The kernels' default tile orders, (dK/dV, dQ) (:func:`._mosaic_grid.split_index`): along the
+    sequence, except the dK/dV kernel's causal with GQA below ``LONG_CAUSAL`` keys.
+
+    Heads fastest evens out causal tiles' unequal work, but the CTAs at work together then stream
+    as many heads' rows as there are CTAs, more than L2 holds. At 4x4096x16x128 causal the two
+    kernels read 2.7 GB from HBM (cuDNN's backward 1.1 GB), and under the power cap the clock of
+    the forward+backward fell to 1628 MHz, against 1755 along the sequence at the same 690 W
+    (results/mosaic_variants_NVIDIA_H200_20261123-092040.json). Causal forward+backward against
+    heads fastest (results/bwd_orders_NVIDIA_H200_20261123-092530.json, -093257.json,
+    bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json): without GQA 1.02-1.06x on an H200 and
+    0.99-1.06x on an H100 (4x2048-2x8192 at head dim 128, 8x2048-2x8192 at 64). With GQA a dK/dV
+    CTA takes its kv head's whole group and along the sequence lost (0.97-0.98x), while the dQ
+    kernel along it gained 1.00-1.01x (0.98-1.04x on the H100). Not causal, along the sequence ran
+    1.00-1.16x (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys
+    1.05-1.06x."""
+    dkdv = not causal or group == 1 or max(seq_q, seq_k) >= LONG_CAUSAL
+    return dkdv, True
 
 
 def _geom(
@@ -790,7 +803,7 @@ def _geom(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None,
-    along_sequence: bool | None = None,
+    along_sequence: bool | tuple[bool, bool] | None = None,
     balanced: bool = True,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
@@ -825,7 +838,12 @@ def _geom(
             f"the Mosaic GPU attention backward does not fit shared memory with {head_dim=}, "
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
         )
-    order = _along_sequence(spec.causal, seq_q, seq_k) if along_sequence is None else along_sequence
+    if along_sequence is None:
+        order = _along_sequence(spec.causal, seq_q, seq_k, heads // kv_heads)
+    elif isinstance(along_sequence, bool):
+        order = (along_sequence, along_sequence)
+    else:
+        order = along_sequence
     return _Geom(
         causal=spec.causal,
         scale=spec.scale,
@@ -866,7 +884,7 @@ def bwd(
     params: BwdParams,
     interpret: bool,
     persistent: tuple[bool, bool] | None = None,
-    along_sequence: bool | None = None,
+    along_sequence: bool | tuple[bool, bool] | None = None,
     balanced: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
