@@ -70,6 +70,12 @@ def parse_args() -> argparse.Namespace:
         "e.g. cudnn/cudnn,pallas/mosaic where the portable kernels are far behind",
     )
     p.add_argument(
+        "--masks",
+        choices=("both", "none", "causal"),
+        default="both",
+        help="which of each shape's calls to tune: causal and not, only not, only causal",
+    )
+    p.add_argument(
         "--install", nargs="+", default=None, help="cache folders to merge into the package"
     )
     return p.parse_args()
@@ -204,7 +210,7 @@ def tune(args: argparse.Namespace) -> None:
     backends = chosen_backends(args.backends)
     log: list[dict[str, Any]] = []
     for batch, seq, heads, kv_heads, dim in shapes:
-        for causal in (False, True):
+        for causal in {"both": (False, True), "none": (False,), "causal": (True,)}[args.masks]:
             q = jnp.zeros((batch, seq, heads, dim), jnp.bfloat16)
             k = jnp.zeros((batch, seq, kv_heads, dim), jnp.bfloat16)
             (inv,) = ejkfn.record(

@@ -70,12 +70,16 @@ def test_mosaic_variants_backward_smoke(tmp_path):
     _run("mosaic_variants_gpu.py", "--cpu-smoke", "--masks", "causal", "--tile-order", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     checked = {(r["pass_"], r["impl"]): r["max_rel_err_vs_cudnn"] for r in rows}
-    # causal at 256 keys: heads fastest by default, so the other order is along the sequence
+    # causal at 256 keys without GQA: along the sequence by default, so the other forward order is
+    # heads fastest; the split backward also runs the other three (dK/dV, dQ) pairs, the fused one
+    # (no dQ kernel) the other dK/dV order
     wanted = [("fwd", "mosaic"), ("fwd", "mosaic, tiles heads fastest")]
-    for name in ("split", "fused"):
-        for impl in (f"mosaic + {name}", f"mosaic + {name}, tiles along the sequence"):
-            wanted.append(("fwd+bwd", impl))
-    wanted.append(("fwd+bwd", "mosaic + split, tiles along the sequence, dK/dV persistent"))
+    along, heads = "along the sequence", "heads fastest"
+    pairs = {"split": [(along, heads), (heads, along), (heads, heads)], "fused": [(heads, along)]}
+    for name, others in pairs.items():
+        wanted.append(("fwd+bwd", f"mosaic + {name}"))
+        for dkdv, dq in others:
+            wanted.append(("fwd+bwd", f"mosaic + {name}, dK/dV tiles {dkdv}, dQ tiles {dq}"))
     for key in wanted:
         assert checked[key] < 2e-2, key
 
