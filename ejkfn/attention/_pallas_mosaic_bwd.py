@@ -788,7 +788,7 @@ def _along_sequence(causal: bool, seq_q: int, seq_k: int, group: int) -> tuple[b
     heads fastest (results/bwd_orders_NVIDIA_H200_20261123-092530.json, -093257.json,
     bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json): without GQA 1.02-1.06x on an H200 and
     0.99-1.06x on an H100 (4x2048-2x8192 at head dim 128, 8x2048-2x8192 at 64). With GQA a dK/dV
-    CTA takes its kv head's whole group and along the sequence lost (0.97-0.98x), while the dQ
+    CTA takes its kv head's whole group and along the sequence lost (0.96-0.99x), while the dQ
     kernel along it gained 1.00-1.01x (0.98-1.04x on the H100). Not causal, along the sequence ran
     1.00-1.16x (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys
     1.05-1.06x."""
