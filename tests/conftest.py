@@ -7,6 +7,9 @@ import os
 # interpreter, which must be chosen before triton is first imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On a GPU each pytest-xdist worker is a JAX process: without this the first one takes 75% of the
+# GPU's memory up front and the others run out of it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
