@@ -24,6 +24,7 @@ script, not a measurement).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -46,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ejkfn
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention._mosaic_grid import sparing_sms
 
 AXIS = "sp"
 
@@ -62,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--platform", default="pallas", help="the local backend's platform")
     p.add_argument("--variant", default=None, help="its variant (default: the platform's first)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument(
+        "--transfer-sms",
+        default="",
+        help="also the ring whose forward, where nothing differentiates it, leaves this many "
+        "multiprocessors to its transfers (comma-separated; the library leaves "
+        "_ring.TRANSFER_SMS), and the single-GPU forward on as many fewer",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -177,6 +186,21 @@ def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def transfer_sms(count: int) -> Any:
+    """Rings traced in here leave ``count`` multiprocessors to their transfers where nothing
+    differentiates them (instead of ``_ring.TRANSFER_SMS``); single-GPU kernels leave as many."""
+    from ejkfn.attention import _ring
+
+    kept = _ring.TRANSFER_SMS
+    _ring.TRANSFER_SMS = count
+    try:
+        with sparing_sms(count):
+            yield
+    finally:
+        _ring.TRANSFER_SMS = kept
+
+
 def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
     seq_local = seq // n
     layout = "zigzag" if causal else "contiguous"
@@ -249,6 +273,18 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         timings["single_fwd_bwd_ms"] = median_ms(
             jax.jit(fwd_bwd(single)), [tuple(local)], 2, args.iters
         )
+        for spared in [int(r) for r in args.transfer_sms.split(",") if r]:
+            with transfer_sms(spared):  # compiled in here, where the kernels are planned
+                compiled = {
+                    "ring_fwd": jax.jit(ring).lower(q, k, v).compile(),
+                    "ring_fwd_bwd": jax.jit(fwd_bwd(ring)).lower(q, k, v, do).compile(),
+                    "single_fwd": jax.jit(single).lower(*local[:3]).compile(),
+                }
+            for name, fn in compiled.items():
+                operands = (q, k, v, do) if name == "ring_fwd_bwd" else (q, k, v)
+                if name == "single_fwd":
+                    operands = tuple(local[:3])
+                timings[f"{name}_ms_spared{spared}"] = median_ms(fn, [operands], 2, args.iters)
     row: dict[str, Any] = {
         "seq": seq,
         "seq_local": seq_local,
@@ -294,6 +330,10 @@ def report(
             f"({r['ratio_fwd_bwd']:.2f}) "
             f"| {r['ring_comm_ms']:.2f} / {r['ring_fwd_ms']:.2f} |"
         )
+    for r in rows:
+        for key in sorted(k for k in r if "_spared" in k):
+            print(f"{r['seq']} causal={r['causal']}: {key} {r[key]:.2f} "
+                  f"(as the library runs it: {r[key.split('_spared')[0]]:.2f})")  # fmt: skip
     print(
         f"one config everywhere: processes remembered q blocks {agreed['remembered_q_blocks']}, "
         f"used {agreed['used_q_blocks']} inside jit ({'agreed' if agreed['one_config'] else 'DISAGREED'})"

@@ -251,3 +251,44 @@ def test_validation_of_axis_and_mesh():
         ring_attention_sharded(x, x, x, "mesh", "sp")
     with pytest.raises(ValueError, match="axis_name='sp' is not a mapped axis"):
         ring_attention(x, x, x, axis_name="sp")
+
+
+def test_sparing_sms_shrinks_persistent_grids_while_tracing():
+    """Grids planned inside ``sparing_sms`` leave multiprocessors free, and only there."""
+    from ejkfn.attention import _mosaic_grid
+
+    full = _mosaic_grid.resident_ctas(False)
+    with _mosaic_grid.sparing_sms(8):
+        assert _mosaic_grid.resident_ctas(False) == full - 8
+        # The interpreter's few CTAs stand for the rounds; they stay as they are.
+        assert _mosaic_grid.resident_ctas(True) == _mosaic_grid._INTERPRETER_CTAS
+    assert _mosaic_grid.resident_ctas(False) == full
+    with pytest.raises(ValueError, match="got -1"):
+        with _mosaic_grid.sparing_sms(-1):
+            pass
+
+
+def test_only_undifferentiated_rings_spare_multiprocessors(key, monkeypatch):
+    """A forward nothing differentiates leaves ``TRANSFER_SMS`` to the ring's transfers (measured
+    faster there); a differentiated one keeps every multiprocessor (measured slower otherwise)."""
+    from ejkfn.attention import _ring
+
+    spared = []
+    real = _ring.sparing_sms
+
+    def recording(count):
+        spared.append(count)
+        return real(count)
+
+    monkeypatch.setattr(_ring, "sparing_sms", recording)
+    mesh = _mesh(4)
+    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    cfg = AttentionConfig(platform="xla", variant="chunked")
+    body = functools.partial(ring_attention, axis_name="sp", cfg=cfg)
+    spec = P(None, "sp")
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    jax.make_jaxpr(ring)(q, k, v)
+    assert spared and set(spared) == {_ring.TRANSFER_SMS} and _ring.TRANSFER_SMS > 0
+    spared.clear()
+    jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
+    assert spared and set(spared) == {0}

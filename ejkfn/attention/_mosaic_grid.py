@@ -16,7 +16,10 @@ tile is the same work, ``SplitTail`` instead splits the last, partial round's ti
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -38,14 +41,35 @@ FIRST_FREE_BARRIER = 4
 WARPGROUP_THREADS = 128  # what a hardware barrier counts a warpgroup as
 
 
+_SPARED_SMS = contextvars.ContextVar("spared_sms", default=0)
+
+
+@contextlib.contextmanager
+def sparing_sms(count: int) -> Iterator[None]:
+    """Persistent grids planned (traced) in here leave ``count`` multiprocessors free.
+
+    A persistent kernel holds every multiprocessor until it ends, so a collective's kernel that
+    XLA runs beside it (ring attention's transfers) waits for the end instead of overlapping it
+    (:data:`._ring.TRANSFER_SMS` says what that measured)."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0; got {count}")
+    token = _SPARED_SMS.set(count)
+    try:
+        yield
+    finally:
+        _SPARED_SMS.reset(token)
+
+
 def resident_ctas(interpret: bool) -> int:
-    """CTAs of a persistent grid: one per multiprocessor (a CTA's registers fill one)."""
+    """CTAs of a persistent grid: one per multiprocessor (a CTA's registers fill one), less those
+    :func:`sparing_sms` leaves free (not in the interpreter, whose few CTAs stand for the rounds)."""
     if interpret:
         return _INTERPRETER_CTAS
     device = jax.devices()[0]
+    sms = _HOPPER_SMS  # lowering ahead of time for a GPU not attached
     if device.platform == "gpu":
-        return int(getattr(device, "core_count", 0) or _HOPPER_SMS)
-    return _HOPPER_SMS  # lowering ahead of time for a GPU not attached
+        sms = int(getattr(device, "core_count", 0) or _HOPPER_SMS)
+    return max(1, sms - _SPARED_SMS.get())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,11 +34,20 @@ from .._registry import BwdParams, FwdParams
 from . import _backend
 from ._api import _AUTO_ORDER, AttentionConfig, _number, _window
 from ._backend import AttentionBackend, AttentionShape, backend_for
+from ._mosaic_grid import sparing_sms
 from ._spec import AttentionSpec
 
 __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order"]
 
 _INF = math.inf
+# Multiprocessors the local forward's persistent grid leaves to the ring's transfers where nothing
+# differentiates the call. On two H200s at 32k keys without a mask the ring's forward took 0.76x,
+# 0.88x, 0.99x and 0.88x the time with 8 left as with none in four runs (7.6-10.4 ms; two local
+# steps take 7.0-7.6); causal (zigzag) and at 64k from 0.97x to 1.07x, inside the spread of
+# identical programs in those runs (up to 9%). Forward+backward without a mask read 3-8% slower
+# with them left in four readings, so training keeps every multiprocessor (benchmarks/NOTES.md,
+# thirty-first round).
+TRANSFER_SMS = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,6 +159,7 @@ class _Local:
     fwd_params: FwdParams
     bwd_params: BwdParams
     interpret: bool
+    spared_sms: int = 0  # left free by the forward's persistent grid (mosaic_grid.sparing_sms)
 
     def fwd(self, pair: _Pair, q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
         """``(out, lse)`` of ``q`` against the pair's keys, float32, padded back to all rows."""
@@ -160,11 +170,12 @@ class _Local:
                 jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
             )
         qs, ks = pair.q_start, pair.k_start
-        out, lse = self.backend.fwd(
-            q[:, qs : qs + pair.q_len], k[:, ks : ks + pair.k_len], v[:, ks : ks + pair.k_len],
-            None, None, None, None, None,
-            spec=pair.spec, params=self.fwd_params, interpret=self.interpret,
-        )  # fmt: skip
+        with sparing_sms(self.spared_sms):  # the next block's transfer runs beside this step
+            out, lse = self.backend.fwd(
+                q[:, qs : qs + pair.q_len], k[:, ks : ks + pair.k_len], v[:, ks : ks + pair.k_len],
+                None, None, None, None, None,
+                spec=pair.spec, params=self.fwd_params, interpret=self.interpret,
+            )  # fmt: skip
         out = _pad_rows(out.astype(jnp.float32), qs, length, 1)
         lse = _pad_rows(lse.astype(jnp.float32), qs, length, 2, -jnp.inf)
         return out, lse
@@ -386,6 +397,7 @@ def ring_attention(
     serving = local
     if cfg is not None and cfg.inference is not None:
         serving = _choose(platform, cfg.inference, base, shape, differentiated=False)
+    serving = dataclasses.replace(serving, spared_sms=TRANSFER_SMS)
     if layout == "zigzag":
         steps = _zigzag_steps(base, length, n)
     else:
