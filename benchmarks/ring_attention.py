@@ -11,6 +11,9 @@ The launcher starts ``--processes`` workers of this script, joined by ``jax.dist
    :func:`ejkfn.flash_attention` of the whole sequence (same local backend and config);
 3. times the ring and, on its own GPU alone, the same kernel at the per-device sequence length;
    also the ring's communication alone (the key/value blocks sent around the ring, no compute).
+   All of them take turns in interleaved rounds, each turn a batch of calls back to back, and each
+   reads the median over the rounds: timed call by call, the same program had read up to 9% apart
+   within one run (benchmarks/NOTES.md, thirty-first round).
 
 Per-GPU throughput of the ring is its FLOPs divided by the time and by the number of GPUs; the ratio
 is that over the single-GPU kernel's TFLOP/s at the per-device length. Process 0 prints the table and
@@ -42,7 +45,7 @@ if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attention import device_info, fwd_bwd, median_ms, rel_err
+from attention import device_info, fwd_bwd, rel_err
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ejkfn
@@ -63,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--causal", default="false,true", help="which masks to run")
     p.add_argument("--platform", default="pallas", help="the local backend's platform")
     p.add_argument("--variant", default=None, help="its variant (default: the platform's first)")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20, help="timed calls of each")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds they split into")
     p.add_argument(
         "--transfer-sms",
         default="",
@@ -201,6 +205,28 @@ def transfer_sms(count: int) -> Any:
         _ring.TRANSFER_SMS = kept
 
 
+def interleaved_medians(
+    calls: dict[str, tuple[Any, tuple[jax.Array, ...]]], iters: int, rounds: int
+) -> dict[str, float]:
+    """Milliseconds per call of each ``name: (fn, operands)``, the median over ``rounds`` rounds in
+    which each runs, in a seeded new order, one untimed call and then its share of ``iters`` calls
+    back to back (:func:`ejkfn.interleaved_seconds`). Every process makes the same calls in the same
+    order, as its collectives require: no batch is sized by the time a call took."""
+    seconds = ejkfn.interleaved_seconds(
+        {name: functools.partial(fn, *operands) for name, (fn, operands) in calls.items()},
+        warmup=2,
+        calls=max(iters, rounds),
+        rounds=rounds,
+        seed=0,
+    )
+    medians = {}
+    for name, readings in seconds.items():
+        if isinstance(readings, Exception):
+            raise readings
+        medians[name] = float(np.median(readings)) * 1e3
+    return medians
+
+
 def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
     seq_local = seq // n
     layout = "zigzag" if causal else "contiguous"
@@ -263,28 +289,29 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                 check_vma=False,
             )
         )
-        timings = {
-            "ring_fwd_ms": median_ms(ring_fwd, [(q, k, v)], 2, args.iters),
-            "ring_fwd_bwd_ms": median_ms(ring_both, [(q, k, v, do)], 2, args.iters),
-            "ring_comm_ms": median_ms(comm, [(k, v)], 2, args.iters),
-        }
         local = [x[:, :seq_local] for x in whole]
-        timings["single_fwd_ms"] = median_ms(jax.jit(single), [tuple(local[:3])], 2, args.iters)
-        timings["single_fwd_bwd_ms"] = median_ms(
-            jax.jit(fwd_bwd(single)), [tuple(local)], 2, args.iters
-        )
+        calls: dict[str, tuple[Any, tuple[jax.Array, ...]]] = {
+            "ring_fwd_ms": (ring_fwd, (q, k, v)),
+            "ring_fwd_bwd_ms": (ring_both, (q, k, v, do)),
+            "ring_comm_ms": (comm, (k, v)),
+            "single_fwd_ms": (jax.jit(single), tuple(local[:3])),
+            "single_fwd_bwd_ms": (jax.jit(fwd_bwd(single)), tuple(local)),
+        }
         for spared in [int(r) for r in args.transfer_sms.split(",") if r]:
             with transfer_sms(spared):  # compiled in here, where the kernels are planned
-                compiled = {
-                    "ring_fwd": jax.jit(ring).lower(q, k, v).compile(),
-                    "ring_fwd_bwd": jax.jit(fwd_bwd(ring)).lower(q, k, v, do).compile(),
-                    "single_fwd": jax.jit(single).lower(*local[:3]).compile(),
-                }
-            for name, fn in compiled.items():
-                operands = (q, k, v, do) if name == "ring_fwd_bwd" else (q, k, v)
-                if name == "single_fwd":
-                    operands = tuple(local[:3])
-                timings[f"{name}_ms_spared{spared}"] = median_ms(fn, [operands], 2, args.iters)
+                calls[f"ring_fwd_ms_spared{spared}"] = (
+                    jax.jit(ring).lower(q, k, v).compile(),
+                    (q, k, v),
+                )
+                calls[f"ring_fwd_bwd_ms_spared{spared}"] = (
+                    jax.jit(fwd_bwd(ring)).lower(q, k, v, do).compile(),
+                    (q, k, v, do),
+                )
+                calls[f"single_fwd_ms_spared{spared}"] = (
+                    jax.jit(single).lower(*local[:3]).compile(),
+                    tuple(local[:3]),
+                )
+        timings = interleaved_medians(calls, args.iters, args.rounds)
     row: dict[str, Any] = {
         "seq": seq,
         "seq_local": seq_local,

@@ -274,3 +274,15 @@ def test_clock_settle_times_each_target_after_each_predecessor(tmp_path):
     assert trials == {(t, p, s) for t in impls for p in (*impls, "(idle)") for s in (0.0, 2.0)}
     assert all(len(r["ms"]) == 2 and min(r["ms"]) > 0 for r in saved["readings_ms"])
     _run("clock_settle_gpu.py", "--impls", "no such kernel", "--out", str(tmp_path), returncode=2)
+
+
+@pytest.mark.slow
+def test_ring_attention_benchmark_smoke(tmp_path):
+    _run("ring_attention.py", "--cpu-smoke", "--platform", "xla", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--out", str(tmp_path))  # fmt: skip
+    saved = _saved(tmp_path, "ring_attention_2xcpu_*.json")
+    assert saved["agreement"]["one_config"]
+    assert [r["causal"] for r in saved["rows"]] == [False, True]
+    for row in saved["rows"]:
+        assert max(row["rel_err"].values()) < 1e-2
+        timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k]
+        assert len(timed) == 8 and all(row[k] > 0 for k in timed)
