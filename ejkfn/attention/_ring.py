@@ -467,9 +467,10 @@ def _ring(
 
             dq_s, dk_s, dv_s = at_step(s, part, part)
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
-        # The block held at the last step belongs to the next device: one more step brings it home.
-        dk, dv = shift(dk, dv)
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        # The block held at the last step belongs to the next device: one more step brings it home,
+        # already in its own dtype (the same values, half the bytes of float32 for 16-bit keys).
+        dk, dv = shift(dk.astype(k.dtype), dv.astype(v.dtype))
+        return dq.astype(q.dtype), dk, dv
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v)
