@@ -368,11 +368,10 @@ def report(
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kind = str(info.get("device_kind", "device")).replace(" ", "_")
+    settings = {k: v for k, v in vars(args).items() if k != "out"}  # not where it was written
     path = out / f"ring_attention_{n}x{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(
-        json.dumps(
-            {"device": info, "args": vars(args), "rows": rows, "agreement": agreed}, indent=1
-        )
+        json.dumps({"device": info, "args": settings, "rows": rows, "agreement": agreed}, indent=1)
     )
     print(f"saved {path}")
 
