@@ -45,7 +45,7 @@ if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attention import device_info, fwd_bwd, rel_err
+from attention import device_info, fwd_bwd, interleaved_ms, rel_err
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ejkfn
@@ -208,23 +208,13 @@ def transfer_sms(count: int) -> Any:
 def interleaved_medians(
     calls: dict[str, tuple[Any, tuple[jax.Array, ...]]], iters: int, rounds: int
 ) -> dict[str, float]:
-    """Milliseconds per call of each ``name: (fn, operands)``, the median over ``rounds`` rounds in
-    which each runs, in a seeded new order, one untimed call and then its share of ``iters`` calls
-    back to back (:func:`ejkfn.interleaved_seconds`). Every process makes the same calls in the same
-    order, as its collectives require: no batch is sized by the time a call took."""
-    seconds = ejkfn.interleaved_seconds(
-        {name: functools.partial(fn, *operands) for name, (fn, operands) in calls.items()},
-        warmup=2,
-        calls=max(iters, rounds),
-        rounds=rounds,
-        seed=0,
-    )
-    medians = {}
-    for name, readings in seconds.items():
-        if isinstance(readings, Exception):
-            raise readings
-        medians[name] = float(np.median(readings)) * 1e3
-    return medians
+    """Milliseconds per call of each ``name: (fn, operands)``: the median over ``rounds`` rounds of
+    :func:`attention.interleaved_ms`, with no batch or settling sized by time, so that every
+    process makes the same calls in the same order, as its collectives require."""
+    fns = {name: functools.partial(fn, *operands) for name, (fn, operands) in calls.items()}
+    per_round = max(1, iters // rounds)
+    times = interleaved_ms(fns, [()], per_round, rounds, min_batch_ms=0.0, settle_ms=0.0)
+    return {name: float(np.median(readings)) for name, readings in times.items()}
 
 
 def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
