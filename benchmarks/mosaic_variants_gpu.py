@@ -110,6 +110,7 @@ def implementations(
     other_fwds: dict[str, ModuleType] | None = None,
     auto: bool = False,
     cudnn_bwd: bool = False,
+    dkdv_bands: Sequence[int] = (),
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -242,6 +243,16 @@ def implementations(
             continue
         for other, module in (others or {}).items():
             impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
+    for band in dkdv_bands:  # the split backward's dK/dV tiles in bands of (batch, kv head) pairs
+        if (
+            split
+            and _pallas_mosaic_bwd.supports(case.dim, split)
+            and (case.kv_heads * case.batch) % band == 0
+        ):
+            pairs = "all" if band == case.kv_heads * case.batch else band
+            impls[f"mosaic + split, dK/dV tiles in bands of {pairs} kv heads"] = direct(
+                split, dkdv_band=band
+            )
     if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
@@ -273,6 +284,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             other_revisions(args.other_fwd, "--other-fwd"),
             args.auto,
             args.cudnn_bwd,
+            [int(n) for n in args.dkdv_bands.split(",") if n],
         )
         for row in check_then_time(
             case,
@@ -364,6 +376,12 @@ def main() -> int:
         "--cudnn-bwd",
         action="store_true",
         help="also the Mosaic forward with cuDNN's backward kernel on its residuals (GPU only)",
+    )
+    parser.add_argument(
+        "--dkdv-bands",
+        default="",
+        help="also the split backward with its dK/dV tiles in bands of this many (batch, kv head) "
+        "pairs (comma-separated; all of them: heads fastest), heads fastest within a band",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

@@ -745,6 +745,14 @@ def test_mosaic_tile_orders_cover_every_tile_once():
             assert (b * heads + h == np.arange(batch * heads).repeat(ranks)).all()
         else:
             assert (r == np.arange(ranks).repeat(batch * heads)).all()
+    for band in (2, 3):  # bands of pairs, heads fastest within a band
+        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, True, band))
+        assert len(set(zip(b.tolist(), h.tolist(), r.tolist(), strict=True))) == index.size
+        pair = (b * heads + h).reshape(-1, band * ranks)
+        assert (pair // band == np.arange(batch * heads // band)[:, None]).all()
+        assert (r.reshape(-1, band * ranks) == np.arange(ranks).repeat(band)).all()
+    with pytest.raises(ValueError, match="band=4 must divide the 6"):
+        split_index(index, heads, batch, ranks, True, 4)
 
 
 def test_mosaic_rounds_owners_invert_index():
@@ -905,7 +913,20 @@ def test_mosaic_tile_order_rule():
     case, bp = MOSAIC_BWD_CASES["causal_gqa_ragged_d64"]
     x = _abstract_inputs(case)
     g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None, along_sequence=False)
-    assert g.along_sequence == (False, False)
+    assert g.along_sequence == (False, False) and g.dkdv_band == 0  # heads fastest over all pairs
+
+
+def test_mosaic_dkdv_band_rule():
+    """dK/dV tiles heads fastest by default go in bands of the largest divisor of the (batch, kv
+    head) pairs up to DKDV_BAND; along the sequence they take no band."""
+    band = _pallas_mosaic_bwd._dkdv_band
+    assert _pallas_mosaic_bwd.DKDV_BAND == 8
+    assert [band(p) for p in (1, 4, 6, 8, 12, 16, 64, 7, 13)] == [1, 4, 6, 8, 6, 8, 8, 7, 1]
+    for name, want in (("causal_gqa_ragged_d64", True), ("gqa_d128_q128_ragged", False)):
+        case, bp = MOSAIC_BWD_CASES[name]
+        x = _abstract_inputs(case)
+        g = _pallas_mosaic_bwd._geom(x["q"], x["k"], case.spec, bp, True, None)
+        assert g.dkdv_band == (band(case.batch * case.kv_heads) if want else 0)
 
 
 # The split backward's case, causal_gqa_ragged_d64, runs in

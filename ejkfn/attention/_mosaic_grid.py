@@ -241,7 +241,7 @@ def query_tiles_work(
 
 
 def split_index(
-    index: Any, heads: int, batch: int, ranks: int, along_sequence: bool
+    index: Any, heads: int, batch: int, ranks: int, along_sequence: bool, band: int = 0
 ) -> tuple[Any, Any, Any]:
     """(batch, head, rank) of a work item, ``rank`` being its tile along the sequence (of
     ``ranks``).
@@ -250,9 +250,13 @@ def split_index(
     one or two heads and read the same keys and values, which L2 serves once; the order for tiles of
     equal work. Else heads fastest, then batch, then rank: a round's tiles sit at about the same
     rank, which evens out causal tiles' unequal work, but each head's keys and values are shared
-    by only the few CTAs at its ranks.
+    by only the few CTAs at its ranks. ``band`` (if not 0) overrides both: bands of ``band``
+    (batch, head) pairs in turn, heads fastest within each.
     """
-    rank, pair = banded_tile(index, ranks, 1 if along_sequence else heads * batch)
+    if band and (heads * batch) % band:
+        raise ValueError(f"band={band} must divide the {heads * batch} (batch, head) pairs")
+    band = band or (1 if along_sequence else heads * batch)
+    rank, pair = banded_tile(index, ranks, band)
     return tile_div(pair, heads), tile_rem(pair, heads), rank
 
 

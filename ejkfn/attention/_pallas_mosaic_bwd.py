@@ -34,7 +34,8 @@ and the compute warpgroups keep the registers a memory warpgroup would hold (``_
 Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
 work together read the same stream from L2, which saves HBM traffic and with it power, hence clock),
 except the dK/dV kernel causal with GQA below 16k keys, where heads fastest evens out its long
-tiles' unequal work (:func:`_along_sequence`, :func:`._mosaic_grid.split_index`).
+tiles' unequal work, in bands of a few kv heads so that the CTAs at work share their rows
+(:func:`_along_sequence`, :func:`_dkdv_band`, :func:`._mosaic_grid.split_index`).
 
 Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal
 (the fused kernel masks instead of skipping: every block's dQ needs both warpgroups' dS).
@@ -215,6 +216,7 @@ class _Geom:
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
     balanced: bool = True  # the persistent dQ grid's CTA count chosen for its busiest CTA's work
+    dkdv_band: int = 0  # (batch, kv head) pairs a band of dK/dV tiles (0: along_sequence[0] says)
 
     @property
     def offset(self) -> int:
@@ -297,8 +299,9 @@ class _Geom:
         first keys (which causal queries see most) first."""
         index = self.dkdv_rounds.index(cta, t)
         b, kvh, rank = split_index(
-            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0]
-        )
+            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
+            self.dkdv_band,
+        )  # fmt: skip
         return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
@@ -796,6 +799,22 @@ def _along_sequence(causal: bool, seq_q: int, seq_k: int, group: int) -> tuple[b
     return dkdv, True
 
 
+DKDV_BAND = 8  # (batch, kv head) pairs a band of the dK/dV kernel's tiles, where heads go fastest
+
+
+def _dkdv_band(pairs: int) -> int:
+    """Where the dK/dV kernel's tiles go heads fastest by default (causal GQA), they go in bands
+    of the largest divisor of its ``pairs`` up to ``DKDV_BAND``: heads fastest within a band, so
+    its heaviest tiles start first and the band's lightest end it, but the CTAs at work stream
+    only a band's rows. Causal GQA forward+backward against heads fastest over all pairs
+    (2x8192, 4x4096 and 2x4096 x32(8 kv)x128, 8x2048x32(8 kv)x64): bands of 8 pairs 1.005-1.028x
+    at all 8 readings of two runs on an H200 and 1.019-1.034x at all 4 on an H100; bands of 4
+    0.974-1.049x (results/mosaic_variants_NVIDIA_H200_20261127-144702.json, -144954.json,
+    mosaic_variants_NVIDIA_H100_80GB_HBM3_20261127-145515.json; benchmarks/NOTES.md,
+    thirty-second round)."""
+    return max(n for n in range(1, min(pairs, DKDV_BAND) + 1) if pairs % n == 0)
+
+
 def _geom(
     q: Any,
     k: Any,
@@ -805,6 +824,7 @@ def _geom(
     persistent: tuple[bool, bool] | None,
     along_sequence: bool | tuple[bool, bool] | None = None,
     balanced: bool = True,
+    dkdv_band: int | None = None,
 ) -> _Geom:
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
@@ -840,6 +860,8 @@ def _geom(
         )
     if along_sequence is None:
         order = _along_sequence(spec.causal, seq_q, seq_k, heads // kv_heads)
+        if dkdv_band is None and not order[0]:
+            dkdv_band = _dkdv_band(kv_heads * batch)
     elif isinstance(along_sequence, bool):
         order = (along_sequence, along_sequence)
     else:
@@ -869,6 +891,7 @@ def _geom(
         fused=fused,
         tma_reduce=not interpret,
         balanced=balanced,
+        dkdv_band=dkdv_band or 0,
     )
 
 
@@ -886,6 +909,7 @@ def bwd(
     persistent: tuple[bool, bool] | None = None,
     along_sequence: bool | tuple[bool, bool] | None = None,
     balanced: bool = True,
+    dkdv_band: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` of the forward in :mod:`._pallas_mosaic`, whose ``lse`` [B, H, Sq] it takes.
 
@@ -898,12 +922,14 @@ def bwd(
     head dim 128, for registers); ``params.num_stages`` the ring depth, shrunk where shared memory is
     short. ``num_warps`` is not used: the warpgroups follow from the blocks. ``persistent`` (dK/dV,
     dQ) overrides which kernels run on the persistent grid, ``along_sequence`` their tile order
-    (:func:`._mosaic_grid.split_index`), ``balanced=False`` runs a persistent dQ grid on every
-    resident CTA (for comparison). The caller checks dtypes and features (as for the forward).
+    (:func:`._mosaic_grid.split_index`), ``dkdv_band`` puts the dK/dV tiles in bands of that many
+    (batch, kv head) pairs (by default :func:`_dkdv_band` where they go heads fastest),
+    ``balanced=False`` runs a persistent dQ grid on every resident CTA (for comparison). The caller
+    checks dtypes and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
-    g = _geom(q, k, spec, params, interpret, persistent, along_sequence, balanced)
+    g = _geom(q, k, spec, params, interpret, persistent, along_sequence, balanced, dkdv_band)
     dtype = q.dtype
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
     # Rows that saw no key have lse = -inf; +inf, like padded rows, makes their P exactly 0.
