@@ -26,6 +26,7 @@ script without a GPU.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -133,9 +134,7 @@ def implementations(
     split = _pallas_mosaic._mosaic_bwd(shape)  # None where the head dim is too large
     # The tile orders the kernels do not take by default for this shape (_mosaic_grid.split_index).
     other_fwd = not _pallas_mosaic.FWD_ALONG_SEQUENCE
-    default_bwd = _pallas_mosaic_bwd._along_sequence(
-        case.causal, case.seq, case.seq, case.heads // case.kv_heads
-    )
+    default_bwd = _pallas_mosaic_bwd._along_sequence(case.causal, case.seq, case.seq)
 
     def order(along_sequence: bool | tuple[bool, bool]) -> str:
         if isinstance(along_sequence, tuple):  # the backward's (dK/dV, dQ)
@@ -243,15 +242,16 @@ def implementations(
             continue
         for other, module in (others or {}).items():
             impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
-    for band in dkdv_bands:  # the split backward's dK/dV tiles in bands of (batch, kv head) pairs
+    for (name, bp), band in itertools.product({"split": split, "fused": fused}.items(), dkdv_bands):
+        # the dK/dV tiles in bands of (batch, kv head) pairs
         if (
-            split
-            and _pallas_mosaic_bwd.supports(case.dim, split)
+            bp
+            and _pallas_mosaic_bwd.supports(case.dim, bp)
             and (case.kv_heads * case.batch) % band == 0
         ):
             pairs = "all" if band == case.kv_heads * case.batch else band
-            impls[f"mosaic + split, dK/dV tiles in bands of {pairs} kv heads"] = direct(
-                split, dkdv_band=band
+            impls[f"mosaic + {name}, dK/dV tiles in bands of {pairs} kv heads"] = direct(
+                bp, dkdv_band=band
             )
     if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
@@ -380,7 +380,7 @@ def main() -> int:
     parser.add_argument(
         "--dkdv-bands",
         default="",
-        help="also the split backward with its dK/dV tiles in bands of this many (batch, kv head) "
+        help="also the split and fused backwards with their dK/dV tiles in bands of this many (batch, kv head) "
         "pairs (comma-separated; all of them: heads fastest), heads fastest within a band",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")

@@ -895,12 +895,12 @@ def test_mosaic_dq_rounds_balance_causal_work():
 
 def test_mosaic_tile_order_rule():
     """The forward goes along the sequence; the backward's dQ kernel too, and its dK/dV kernel
-    except causal with GQA below 16k keys."""
+    except causal below 16k keys (there heads fastest, in bands)."""
     assert _pallas_mosaic.FWD_ALONG_SEQUENCE
     rule = _pallas_mosaic_bwd._along_sequence
-    assert rule(False, 2048, 2048, 4) == rule(True, 8192, 8192, 1) == (True, True)
-    assert rule(True, 16384, 16384, 4) == rule(True, 128, 65536, 4) == (True, True)
-    assert rule(True, 8192, 8192, 4) == (False, True)
+    assert rule(False, 2048, 2048) == rule(False, 128, 128) == (True, True)
+    assert rule(True, 16384, 16384) == rule(True, 128, 65536) == (True, True)
+    assert rule(True, 8192, 8192) == rule(True, 128, 128) == (False, True)
     for name, want in (
         ("causal_gqa_ragged_d64", (False, True)),
         ("gqa_d128_q128_ragged", (True, True)),
@@ -917,8 +917,9 @@ def test_mosaic_tile_order_rule():
 
 
 def test_mosaic_dkdv_band_rule():
-    """dK/dV tiles heads fastest by default go in bands of the largest divisor of the (batch, kv
-    head) pairs up to DKDV_BAND; along the sequence they take no band."""
+    """dK/dV tiles heads fastest by default (causal below 16k keys, with or without GQA) go in
+    bands of the largest divisor of the (batch, kv head) pairs up to DKDV_BAND; along the sequence
+    they take no band."""
     band = _pallas_mosaic_bwd._dkdv_band
     assert _pallas_mosaic_bwd.DKDV_BAND == 8
     assert [band(p) for p in (1, 4, 6, 8, 12, 16, 64, 7, 13)] == [1, 4, 6, 8, 6, 8, 8, 7, 1]

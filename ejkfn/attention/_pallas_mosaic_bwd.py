@@ -33,8 +33,8 @@ and the compute warpgroups keep the registers a memory warpgroup would hold (``_
 
 Both kernels number their tiles along the sequence (a head's tiles one after another, so CTAs at
 work together read the same stream from L2, which saves HBM traffic and with it power, hence clock),
-except the dK/dV kernel causal with GQA below 16k keys, where heads fastest evens out its long
-tiles' unequal work, in bands of a few kv heads so that the CTAs at work share their rows
+except the dK/dV kernel causal below 16k keys: there its tiles go heads fastest, which evens out
+their unequal work, in bands of a few heads so that the CTAs at work still share their rows
 (:func:`_along_sequence`, :func:`_dkdv_band`, :func:`._mosaic_grid.split_index`).
 
 Causal attention skips blocks a warpgroup cannot see and masks only those that cross the diagonal
@@ -776,26 +776,27 @@ def _dq_kernel(
         feed_ring(slots, my_tiles, items, fetch, (consumed,), ONE_MEMORY_WARP)
 
 
-LONG_CAUSAL = 16384  # from here on causal GQA's dK/dV tiles go along the sequence too
+LONG_CAUSAL = 16384  # from here on causal dK/dV tiles go along the sequence too
 
 
-def _along_sequence(causal: bool, seq_q: int, seq_k: int, group: int) -> tuple[bool, bool]:
+def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> tuple[bool, bool]:
     """The kernels' default tile orders, (dK/dV, dQ) (:func:`._mosaic_grid.split_index`): along the
-    sequence, except the dK/dV kernel's causal with GQA below ``LONG_CAUSAL`` keys.
+    sequence, except the dK/dV kernel's causal below ``LONG_CAUSAL`` keys, whose tiles go heads
+    fastest in bands (:func:`_dkdv_band`).
 
-    Heads fastest evens out causal tiles' unequal work, but the CTAs at work together then stream
-    as many heads' rows as there are CTAs, more than L2 holds. At 4x4096x16x128 causal the two
-    kernels read 2.7 GB from HBM (cuDNN's backward 1.1 GB), and under the power cap the clock of
-    the forward+backward fell to 1628 MHz, against 1755 along the sequence at the same 690 W
-    (results/mosaic_variants_NVIDIA_H200_20261123-092040.json). Causal forward+backward against
-    heads fastest (results/bwd_orders_NVIDIA_H200_20261123-092530.json, -093257.json,
-    bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json): without GQA 1.02-1.06x on an H200 and
-    0.99-1.06x on an H100 (4x2048-2x8192 at head dim 128, 8x2048-2x8192 at 64). With GQA a dK/dV
-    CTA takes its kv head's whole group and along the sequence lost (0.96-0.99x), while the dQ
-    kernel along it gained 1.00-1.01x (0.98-1.04x on the H100). Not causal, along the sequence ran
-    1.00-1.16x (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys
-    1.05-1.06x."""
-    dkdv = not causal or group == 1 or max(seq_q, seq_k) >= LONG_CAUSAL
+    Heads fastest over every head evens out causal tiles' unequal work, but the CTAs at work
+    together then stream as many heads' rows as there are CTAs, more than L2 holds. At
+    4x4096x16x128 causal the two kernels read 2.7 GB from HBM (cuDNN's backward 1.1 GB), and under
+    the power cap the clock of the forward+backward fell to 1628 MHz, against 1755 along the
+    sequence at the same 690 W (results/mosaic_variants_NVIDIA_H200_20261123-092040.json). Causal
+    forward+backward along the sequence against that (results/bwd_orders_NVIDIA_H200_20261123-
+    092530.json, -093257.json, bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json): without GQA
+    1.02-1.06x on an H200 and 0.99-1.06x on an H100 (4x2048-2x8192 at head dim 128, 8x2048-2x8192
+    at 64); with GQA, whose dK/dV CTA takes its kv head's whole group, 0.96-0.99x; the dQ kernel
+    1.00-1.01x (0.98-1.04x on the H100). Not causal, along the sequence ran 1.00-1.16x
+    (results/mosaic_variants_NVIDIA_H200_20261121-174012.json); causal from 16k keys 1.05-1.06x.
+    Bands beat both below 16k keys (:func:`_dkdv_band`)."""
+    dkdv = not causal or max(seq_q, seq_k) >= LONG_CAUSAL
     return dkdv, True
 
 
@@ -803,15 +804,18 @@ DKDV_BAND = 8  # (batch, kv head) pairs a band of the dK/dV kernel's tiles, wher
 
 
 def _dkdv_band(pairs: int) -> int:
-    """Where the dK/dV kernel's tiles go heads fastest by default (causal GQA), they go in bands
-    of the largest divisor of its ``pairs`` up to ``DKDV_BAND``: heads fastest within a band, so
-    its heaviest tiles start first and the band's lightest end it, but the CTAs at work stream
-    only a band's rows. Causal GQA forward+backward against heads fastest over all pairs
-    (2x8192, 4x4096 and 2x4096 x32(8 kv)x128, 8x2048x32(8 kv)x64): bands of 8 pairs 1.005-1.028x
-    at all 8 readings of two runs on an H200 and 1.019-1.034x at all 4 on an H100; bands of 4
-    0.974-1.049x (results/mosaic_variants_NVIDIA_H200_20261127-144702.json, -144954.json,
-    mosaic_variants_NVIDIA_H100_80GB_HBM3_20261127-145515.json; benchmarks/NOTES.md,
-    thirty-second round)."""
+    """Where the dK/dV kernel's tiles go heads fastest by default (causal below ``LONG_CAUSAL``
+    keys), they go in bands of the largest divisor of its ``pairs`` up to ``DKDV_BAND``: heads
+    fastest within a band, so its heaviest tiles start first and the band's lightest end it, but
+    the CTAs at work stream only a band's rows.
+
+    Causal forward+backward (benchmarks/NOTES.md, thirty-second round), bands of 8 pairs:
+    - with GQA, against heads fastest over all pairs (2x8192, 4x4096 and 2x4096 x32(8 kv)x128,
+      8x2048x32(8 kv)x64): 1.005-1.028x at all 8 readings of two runs on an H200, 1.019-1.034x at
+      all 4 on an H100; bands of 4 0.974-1.049x (results/mosaic_variants_NVIDIA_H200_20261127-
+      144702.json, -144954.json, mosaic_variants_NVIDIA_H100_80GB_HBM3_20261127-145515.json);
+    - without GQA, against along the sequence (4x4096 and 2x8192 x16x128, split and fused
+      backward; 8x2048x32x64 split): 1.007-1.028x at all 5 on an H200 (-150021.json)."""
     return max(n for n in range(1, min(pairs, DKDV_BAND) + 1) if pairs % n == 0)
 
 
@@ -859,7 +863,7 @@ def _geom(
             f"q_blocksize={bq}, kv_blocksize={key_rows}"
         )
     if along_sequence is None:
-        order = _along_sequence(spec.causal, seq_q, seq_k, heads // kv_heads)
+        order = _along_sequence(spec.causal, seq_q, seq_k)
         if dkdv_band is None and not order[0]:
             dkdv_band = _dkdv_band(kv_heads * batch)
     elif isinstance(along_sequence, bool):
