@@ -380,8 +380,9 @@ def main() -> int:
     parser.add_argument(
         "--dkdv-bands",
         default="",
-        help="also the split and fused backwards with their dK/dV tiles in bands of this many (batch, kv head) "
-        "pairs (comma-separated; all of them: heads fastest), heads fastest within a band",
+        help="also the split and fused backwards with their dK/dV tiles in bands of this many "
+        "(batch, kv head) pairs (comma-separated; all of them: heads fastest), heads fastest "
+        "within a band",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
