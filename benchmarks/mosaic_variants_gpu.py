@@ -135,6 +135,10 @@ def implementations(
     # The tile orders the kernels do not take by default for this shape (_mosaic_grid.split_index).
     other_fwd = not _pallas_mosaic.FWD_ALONG_SEQUENCE
     default_bwd = _pallas_mosaic_bwd._along_sequence(case.causal, case.seq, case.seq)
+    # Heads fastest by default goes in bands (_dkdv_band): other than over all pairs where a band
+    # holds fewer than all of them.
+    pairs = case.batch * case.kv_heads
+    banded = not default_bwd[0] and _pallas_mosaic_bwd._dkdv_band(pairs) < pairs
 
     def order(along_sequence: bool | tuple[bool, bool]) -> str:
         if isinstance(along_sequence, tuple):  # the backward's (dK/dV, dQ)
@@ -225,7 +229,7 @@ def implementations(
             if other_order:  # every other pair of orders (the fused one has no dQ kernel)
                 dq_orders = (default_bwd[1],) if name == "fused" else (True, False)
                 for pair in ((a, b) for a in (True, False) for b in dq_orders):
-                    if pair != default_bwd:
+                    if pair != default_bwd or banded:
                         impls[f"mosaic + {name}, {order(pair)}"] = direct(bp, along_sequence=pair)
     if (
         other_order
@@ -244,13 +248,9 @@ def implementations(
             impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
     for (name, bp), band in itertools.product({"split": split, "fused": fused}.items(), dkdv_bands):
         # the dK/dV tiles in bands of (batch, kv head) pairs
-        if (
-            bp
-            and _pallas_mosaic_bwd.supports(case.dim, bp)
-            and (case.kv_heads * case.batch) % band == 0
-        ):
-            pairs = "all" if band == case.kv_heads * case.batch else band
-            impls[f"mosaic + {name}, dK/dV tiles in bands of {pairs} kv heads"] = direct(
+        if bp and _pallas_mosaic_bwd.supports(case.dim, bp) and pairs % band == 0:
+            label = "all" if band == pairs else band
+            impls[f"mosaic + {name}, dK/dV tiles in bands of {label} kv heads"] = direct(
                 bp, dkdv_band=band
             )
     if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):

@@ -70,16 +70,19 @@ def test_mosaic_variants_backward_smoke(tmp_path):
     _run("mosaic_variants_gpu.py", "--cpu-smoke", "--masks", "causal", "--tile-order", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     checked = {(r["pass_"], r["impl"]): r["max_rel_err_vs_cudnn"] for r in rows}
-    # causal at 256 keys without GQA: along the sequence by default, so the other forward order is
-    # heads fastest; the split backward also runs the other three (dK/dV, dQ) pairs, the fused one
-    # (no dQ kernel) the other dK/dV order
+    # causal at 256 keys without GQA: the forward goes along the sequence by default, so its other
+    # order is heads fastest; the dK/dV kernel goes heads fastest (in a band of both pairs) and the
+    # dQ kernel along the sequence, so the split backward also runs the other three (dK/dV, dQ)
+    # pairs, the fused one (no dQ kernel) the other dK/dV order, and the split one its dK/dV kernel
+    # persistent along the sequence
     wanted = [("fwd", "mosaic"), ("fwd", "mosaic, tiles heads fastest")]
     along, heads = "along the sequence", "heads fastest"
-    pairs = {"split": [(along, heads), (heads, along), (heads, heads)], "fused": [(heads, along)]}
+    pairs = {"split": [(along, along), (along, heads), (heads, heads)], "fused": [(along, along)]}
     for name, others in pairs.items():
         wanted.append(("fwd+bwd", f"mosaic + {name}"))
         for dkdv, dq in others:
             wanted.append(("fwd+bwd", f"mosaic + {name}, dK/dV tiles {dkdv}, dQ tiles {dq}"))
+    wanted.append(("fwd+bwd", "mosaic + split, tiles along the sequence, dK/dV persistent"))
     for key in wanted:
         assert checked[key] < 2e-2, key
 
