@@ -19,8 +19,8 @@ REV:ejkfn/attention/_pallas_mosaic_bwd.py > OLD.py``, or an edited copy) beside 
 behind this tree's forward: an A/B of backward edits in one run, where separate runs differ by more
 than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward.
 
-``--cpu-smoke`` runs one tiny shape in Mosaic GPU's interpreter (no cuDNN, no timing), to check the
-script without a GPU.
+``--cpu-smoke`` runs tiny shapes (one unless ``--shapes``) in Mosaic GPU's interpreter (no cuDNN,
+no timing), to check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -223,6 +223,10 @@ def implementations(
         cudnn_params = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
         impls["mosaic + cudnn"] = jax.jit(fwd_bwd(ours(case.causal, cudnn_params, q, k)))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
+    if heuristic not in (split, fused):  # the heuristic's Triton-lowering backward
+        impls[f"mosaic + {heuristic.variant}"] = jax.jit(
+            fwd_bwd(ours(case.causal, heuristic, q, k))
+        )
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
@@ -323,7 +327,11 @@ def profile(cases: list[Case], passes: Sequence[bool]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=SHAPES, help="BxSxHxD[xKVH... as attention.py]")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="BxSxHxD[xKVH],... as attention.py (--cpu-smoke: 1x256x2x128)",
+    )
     parser.add_argument("--iters", type=int, default=48, help="timed calls per implementation")
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds they split into")
     parser.add_argument("--warmup", type=int, default=3)
@@ -391,7 +399,7 @@ def main() -> int:
     )
     parser.add_argument("--cpu-smoke", action="store_true")
     args = parser.parse_args()
-    shapes = "1x256x2x128" if args.cpu_smoke else args.shapes
+    shapes = args.shapes or ("1x256x2x128" if args.cpu_smoke else SHAPES)
     cases = [
         Case(b, s, h, kvh, d, causal)
         for b, s, h, kvh, d in parse_shapes(shapes)

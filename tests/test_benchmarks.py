@@ -2,6 +2,7 @@
 interpreter), so a change to the library or to a shared helper cannot leave them broken until the
 next run on the lent GPU."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -87,6 +88,17 @@ def test_mosaic_variants_backward_smoke(tmp_path):
         assert checked[key] < 2e-2, key
 
 
+@pytest.mark.slow
+def test_mosaic_variants_times_the_heuristics_portable_backward(tmp_path):
+    # causal at head dim 64 without GQA the heuristic pairs the Mosaic forward with the
+    # Triton-lowering backward: its row stands beside the Mosaic backwards'
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
+    checked = {r["impl"]: r["max_rel_err_vs_cudnn"] for r in rows}
+    assert set(checked) == {"cudnn", "mosaic + mirrored", "mosaic + split"}
+    assert all(err < 2e-2 for err in checked.values())
+
+
 def test_tune_shipped_stores_a_config_per_shape(tmp_path):
     _run("tune_shipped.py", "--shapes", "1x64x2x16", "--iters", "1", "--out", str(tmp_path))
     log = _saved(tmp_path, "tune_shipped_*.json")["log"]
@@ -157,6 +169,60 @@ def test_tuned_config_carries_a_faster_forward_as_its_inference_config():
     assert with_inference(train, [(train, 1.005), (mosaic, 1.0)]) is train
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)]).inference == mosaic
     assert with_inference(train, [(train, 1.02), (mosaic, 1.0)], margin=0.03) is train
+
+
+def test_tuned_config_prefers_our_kernels_within_the_margin():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import preferring_own, runs_cudnn
+
+    from ejkfn import BwdParams
+    from ejkfn.attention import AttentionConfig
+
+    cudnn = AttentionConfig(platform="cudnn", variant="cudnn")
+    hybrid = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="cudnn"))
+    fused = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="fused"))
+    split = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="mosaic"))
+    assert runs_cudnn(cudnn) and runs_cudnn(hybrid) and not runs_cudnn(fused)
+    # cuDNN's backward kernel 2% ahead of our fastest: within 3%, ours ships
+    assert preferring_own([(hybrid, 1.0), (split, 1.03), (fused, 1.02)]) == fused
+    # 4% ahead: it ships
+    assert preferring_own([(hybrid, 1.0), (fused, 1.04), (cudnn, 1.01)]) == hybrid
+    assert preferring_own([(cudnn, 1.0), (fused, 1.02)]) == fused
+    assert preferring_own([(cudnn, 1.0), (fused, 1.02)], margin=0.01) == cudnn
+    # the fastest ours: unchanged; only cuDNN's timed: cuDNN's
+    assert preferring_own([(split, 1.0), (hybrid, 0.99)], margin=0.0) == hybrid
+    assert preferring_own([(fused, 1.0), (hybrid, 1.01)]) == fused
+    assert preferring_own([(cudnn, 1.0)]) == cudnn
+    with pytest.raises(ValueError, match="no timed configs"):
+        preferring_own([])
+
+
+def test_tune_log_reselects_from_its_recorded_times():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import chosen_from_log, config_of
+
+    from ejkfn import BwdParams, FwdParams
+    from ejkfn.attention import AttentionConfig
+
+    hybrid = AttentionConfig(
+        platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=128),
+        bwd=BwdParams(variant="cudnn"),
+    )  # fmt: skip
+    fused = AttentionConfig(
+        platform="pallas", variant="mosaic", fwd=FwdParams(kv_blocksize=64),
+        bwd=BwdParams(q_blocksize=64, kv_blocksize=128, variant="mosaic_fused"),
+    )  # fmt: skip
+    assert config_of(repr(fused)) == fused
+    for text in ("__import__('os')", "FwdParams()", "AttentionConfig(1)", "print(1)"):
+        with pytest.raises(ValueError):
+            config_of(text)
+    entry = {  # as tune() logs it: the fused backward 2% behind, its forward 3% behind
+        "seconds": {repr(hybrid): 1.0, repr(fused): 1.02},
+        "fwd_seconds": {repr(hybrid): 0.30, repr(fused): 0.309},
+    }
+    chosen = chosen_from_log(entry)
+    assert dataclasses.replace(chosen, inference=None) == fused
+    assert chosen.inference == hybrid  # the faster forward, for calls nothing differentiates
 
 
 def test_tune_shipped_times_each_forward_once():
