@@ -85,8 +85,8 @@ def parse_args() -> argparse.Namespace:
         "--reselect",
         nargs="+",
         default=None,
-        help="saved tune logs (tune_shipped_*.json): choose each shape's config again from its "
-        "timed candidates by this script's rules and rewrite the package's config for it (no GPU)",
+        help="saved tune logs (tune_shipped_*.json): where the package ships a log's pick, choose "
+        "again from its timed candidates by this script's rules and ship that (no GPU)",
     )
     return p.parse_args()
 
@@ -330,31 +330,36 @@ def config_of(text: str) -> AttentionConfig:
 def chosen_from_log(entry: dict[str, Any]) -> AttentionConfig:
     """The config :func:`tune` would ship from a log entry's times (``seconds``, ``fwd_seconds``)."""
     seconds = [(config_of(text), t) for text, t in entry["seconds"].items()]
-    forwards = [(config_of(text), t) for text, t in entry["fwd_seconds"].items()]
+    forwards = [(config_of(text), t) for text, t in entry.get("fwd_seconds", {}).items()]
     return with_inference(preferring_own(seconds), forwards)
 
 
-def reselect(logs: list[str]) -> None:
-    layer = ejkfn.PersistentCache(PACKAGE_LAYER)
+def reselect(logs: list[str], folder: Path = PACKAGE_LAYER) -> None:
+    """Ship :func:`chosen_from_log` for each entry of ``logs`` from the tune that made the shipped
+    config: the one whose fastest time its ``meta`` records (a later tune of the shape replaced the
+    others' picks; a reselection keeps the meta). ``folder``: the cache folder to rewrite."""
+    layer = ejkfn.PersistentCache(folder)
     for path in logs:
         saved = json.loads(Path(path).read_text())
         by_shape = {}
         for key in layer.keys():
             meta = (layer.record(key) or {}).get("meta") or {}
             if meta.get("device_kind") == saved["device"]:
-                by_shape[meta.get("shape")] = key
+                by_shape[meta.get("shape")] = key, meta
         for entry in saved["log"]:
-            key = by_shape.get(entry["shape"])
-            if key is None:
+            if entry["shape"] not in by_shape:
                 raise SystemExit(
                     f"{path}: no shipped config for {saved['device']} {entry['shape']}"
                 )
+            key, meta = by_shape[entry["shape"]]
+            if meta.get("tuned_fwd_bwd_ms") != min(entry["seconds"].values()) * 1e3:
+                continue  # not the tune whose pick ships
             chosen, shipped = chosen_from_log(entry), layer.get(key)
             if chosen != shipped:
                 print(f"{saved['device']} {entry['shape']}:\n  {shipped!r}\n  -> {chosen!r}")
-                layer = layer.put(key, chosen, meta=(layer.record(key) or {}).get("meta"))
+                layer = layer.put(key, chosen, meta=meta)
     layer.save()
-    (PACKAGE_LAYER / ".lock").unlink(missing_ok=True)
+    (folder / ".lock").unlink(missing_ok=True)
 
 
 def main() -> int:

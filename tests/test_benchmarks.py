@@ -225,6 +225,40 @@ def test_tune_log_reselects_from_its_recorded_times():
     assert chosen.inference == hybrid  # the faster forward, for calls nothing differentiates
 
 
+def test_reselect_rewrites_only_the_configs_its_tune_made(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tune_shipped import reselect
+
+    import ejkfn
+    from ejkfn import BwdParams
+    from ejkfn.attention import AttentionConfig
+
+    hybrid = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="cudnn"))
+    fused = AttentionConfig(
+        platform="pallas", variant="mosaic", bwd=BwdParams(variant="mosaic_fused")
+    )
+    meta = {"device_kind": "GPU X", "shape": "1x8x1/1x8", "tuned_fwd_bwd_ms": 1.0}
+    layer = ejkfn.PersistentCache(tmp_path / "layer").put("a", hybrid, meta=meta)
+    layer.put("b", hybrid, meta={**meta, "shape": "2x8x1/1x8"}).save()
+
+    def log(name: str, shape: str, fastest: float) -> str:
+        entry = {"shape": shape, "best": repr(hybrid)}
+        entry["seconds"] = {repr(hybrid): fastest, repr(fused): fastest * 1.02}
+        path = tmp_path / name
+        path.write_text(json.dumps({"device": "GPU X", "log": [entry]}))
+        return str(path)
+
+    # "a" came from the tune whose fastest took 1 ms; "b"'s from another (2 ms logged here)
+    reselect(
+        [log("a.json", "1x8x1/1x8", 1e-3), log("b.json", "2x8x1/1x8", 2e-3)], tmp_path / "layer"
+    )
+    shipped = ejkfn.PersistentCache(tmp_path / "layer", readonly=True)
+    assert shipped.get("a") == fused and shipped.record("a")["meta"] == meta
+    assert shipped.get("b") == hybrid
+    with pytest.raises(SystemExit, match="no shipped config"):
+        reselect([log("c.json", "3x8x1/1x8", 1e-3)], tmp_path / "layer")
+
+
 def test_tune_shipped_times_each_forward_once():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_shipped import distinct_forwards, with_inference
