@@ -180,7 +180,9 @@ def test_tuned_config_prefers_our_kernels_within_the_margin():
 
     cudnn = AttentionConfig(platform="cudnn", variant="cudnn")
     hybrid = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="cudnn"))
-    fused = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="fused"))
+    fused = AttentionConfig(
+        platform="pallas", variant="mosaic", bwd=BwdParams(variant="mosaic_fused")
+    )
     split = AttentionConfig(platform="pallas", variant="mosaic", bwd=BwdParams(variant="mosaic"))
     assert runs_cudnn(cudnn) and runs_cudnn(hybrid) and not runs_cudnn(fused)
     # cuDNN's backward kernel 2% ahead of our fastest: within 3%, ours ships
