@@ -821,11 +821,16 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     bwds: list[BwdParams] = []
     base = _mosaic_bwd(shape)
     if base is not None:
-        for key_rows in (64, 128):
-            for stages in (2, 3):
-                bp = dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
-                if key_rows <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
-                    bwds.append(bp)
+        blocks = [
+            dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
+            for key_rows in (64, 128)
+            for stages in (2, 3)
+        ]
+        # The default blocks first: a tune that times one candidate of each backward kernel (the
+        # shipped tunes) takes the first.
+        for bp in sorted(blocks, key=lambda bp: bp != base):
+            if bp.kv_blocksize <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, bp):
+                bwds.append(bp)
         fused = _fused_bwd(shape, base)
         if fused:
             bwds.append(fused)
