@@ -42,6 +42,7 @@ from attention import parse_shapes
 import ejkfn
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention._backend import CUDNN_BWD
 
 SHAPES = [  # (batch, seq, heads, kv_heads, dim): the benchmark's shapes and common training ones
     (4, 2048, 16, 16, 128),
@@ -197,7 +198,7 @@ def with_inference(
 
 def runs_cudnn(cfg: AttentionConfig) -> bool:
     """Whether ``cfg`` runs one of cuDNN's kernels, forward or backward."""
-    return cfg.platform == "cudnn" or (cfg.bwd is not None and cfg.bwd.variant == "cudnn")
+    return cfg.platform == "cudnn" or (cfg.bwd is not None and cfg.bwd.variant == CUDNN_BWD)
 
 
 def preferring_own(

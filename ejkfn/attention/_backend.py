@@ -93,6 +93,12 @@ _MAX_BAND = 16
 BAND_BYTES = 8 << 20
 
 
+def band_sizes(pairs: int, most: int) -> list[int]:
+    """The band sizes a grid of ``pairs`` (batch, head) pairs can take up to ``most``: the divisors
+    of ``pairs``, ascending (every band whole)."""
+    return [d for d in range(1, max(1, min(pairs, most)) + 1) if pairs % d == 0]
+
+
 def band_pairs(pairs: int, blocks: int, causal: bool, stream_bytes: int) -> int:
     """How many (batch, head) pairs a band of a blocked grid holds (a divisor of ``pairs``).
 
@@ -105,8 +111,7 @@ def band_pairs(pairs: int, blocks: int, causal: bool, stream_bytes: int) -> int:
     """
     if not causal:
         return 1
-    most = max(1, min(pairs, _MAX_BAND, BAND_BYTES // max(1, stream_bytes)))
-    divisors = [d for d in range(1, most + 1) if pairs % d == 0]
+    divisors = band_sizes(pairs, min(_MAX_BAND, BAND_BYTES // max(1, stream_bytes)))
     enough = [d for d in divisors if d * blocks >= _BAND_TILES]
     return enough[0] if enough else divisors[-1]
 

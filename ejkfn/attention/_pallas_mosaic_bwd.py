@@ -73,6 +73,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
+from ._backend import band_sizes
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
@@ -816,7 +817,7 @@ def _dkdv_band(pairs: int) -> int:
       144702.json, -144954.json, mosaic_variants_NVIDIA_H100_80GB_HBM3_20261127-145515.json);
     - without GQA, against along the sequence (4x4096 and 2x8192 x16x128, split and fused
       backward; 8x2048x32x64 split): 1.007-1.028x at all 5 on an H200 (-150021.json)."""
-    return max(n for n in range(1, min(pairs, DKDV_BAND) + 1) if pairs % n == 0)
+    return band_sizes(pairs, DKDV_BAND)[-1]
 
 
 def _geom(
