@@ -232,16 +232,30 @@ def fwd_bwd(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
     return run
 
 
-def check(fn: Callable[..., jax.Array], case: Case, seed: int) -> dict[str, float]:
-    # The f32 reference materialises the scores: check at a length it fits (same heads, dim, mask).
-    case = dataclasses.replace(case, batch=1, seq=min(case.seq, 4096))
-    q, k, v, do = inputs(case, seed)
-    got = jax.jit(fwd_bwd(fn))(q, k, v, do)
-    want = jax.jit(fwd_bwd(lambda q, k, v: reference(q, k, v, case.causal)))(
-        *(x.astype(jnp.float32) for x in (q, k, v, do))
-    )
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """A case's check: inputs at a length the f32 reference fits, and that reference's outputs and
+    gradients, computed once and shared by every implementation checked on the case."""
+
+    inputs: tuple[jax.Array, ...]
+    outputs: tuple[jax.Array, ...]
+
+    @classmethod
+    def of(cls, case: Case, seed: int = 7) -> Expected:
+        # The f32 reference materialises the scores: check at a length it fits (same heads, dim, mask).
+        small = dataclasses.replace(case, batch=1, seq=min(case.seq, 4096))
+        q, k, v, do = inputs(small, seed)
+        want = jax.jit(fwd_bwd(lambda q, k, v: reference(q, k, v, case.causal)))(
+            *(x.astype(jnp.float32) for x in (q, k, v, do))
+        )
+        return cls((q, k, v, do), tuple(want))
+
+
+def check(fn: Callable[..., jax.Array], expected: Expected) -> dict[str, float]:
+    got = jax.jit(fwd_bwd(fn))(*expected.inputs)
     return {
-        name: rel_err(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+        name: rel_err(g, w)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, expected.outputs, strict=True)
     }
 
 
@@ -264,6 +278,10 @@ def median_ms(
 # kernel, and Pallas-Triton's forward 6-8% slow after a heavy one; after 0.1-0.4 s, within the
 # noise (clock_settle_gpu.py; NOTES.md, twenty-fourth round).
 SETTLE_MS = 200.0
+# Each timed batch lasts at least this long. With 20 ms batches two columns running the same program
+# read up to 5% apart in one table; with 300 ms their forward+backward readings agreed within 0.7% in
+# every round, and the medians within 0.1% (NOTES.md, thirty-fourth round).
+MIN_BATCH_MS = 300.0
 
 
 def interleaved_ms(
@@ -271,7 +289,7 @@ def interleaved_ms(
     arg_sets: list[tuple[Any, ...]],
     calls: int,
     rounds: int,
-    min_batch_ms: float = 20.0,
+    min_batch_ms: float = MIN_BATCH_MS,
     settle_ms: float = SETTLE_MS,
     seed: int = 0,
 ) -> dict[str, list[float]]:
@@ -279,8 +297,8 @@ def interleaved_ms(
     in a new order (from ``seed``), ``settle_ms`` of untimed calls then a timed batch of ``calls``
     calls, back to back, the input sets rotating (:func:`ejkfn.interleaved_seconds`; the untimed
     calls let the clock follow this kernel's load, see ``SETTLE_MS``). A timed batch shorter than
-    ``min_batch_ms`` (judged by one call) takes that long instead: five half-millisecond forwards
-    read the clock's transients more than the kernel."""
+    ``min_batch_ms`` (judged by one call) takes that long instead: a short batch reads the clock's
+    transients more than the kernel (``MIN_BATCH_MS``)."""
 
     def rotating(fn: Callable[..., Any]) -> Callable[[], Any]:
         sets = itertools.cycle(arg_sets)
@@ -516,7 +534,7 @@ def main() -> int:
     parser.add_argument(
         "--min-batch-ms",
         type=float,
-        default=20.0,
+        default=MIN_BATCH_MS,
         help="each timed batch runs at least this long (more calls for short kernels)",
     )
     parser.add_argument(
@@ -588,12 +606,13 @@ def main() -> int:
         impls = {**peer_impls(case), **ejkfn_impls(case)}
         impls = {n: fn for n, fn in impls.items() if not any(text in n for text in args.skip)}
         arg_sets = [inputs(case, seed) for seed in (1, 2)]
+        expected = Expected.of(case)
         entries: dict[str, dict[str, Any]] = {}
         passes: dict[str, dict[str, Callable[..., Any]]] = {"fwd": {}, "fwd_bwd": {}}
         for name, fn in impls.items():  # correctness first; compile and warm what passes
             entry = entries[name] = {"case": case.name, "impl": name}
             try:
-                errors = check(fn, case, seed=len(results) + len(entries) + 7)
+                errors = check(fn, expected)
                 entry["rel_err"] = errors
                 worst = max(errors.values())
                 entry["correct"] = worst == worst and worst < 2e-2  # NaN fails

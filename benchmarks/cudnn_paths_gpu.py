@@ -1,7 +1,7 @@
 """Our ``cudnn`` platform beside ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU.
 
 Three ways to the same cuDNN kernels, timed side by side in one run (the table's method:
-:func:`attention.interleaved_ms`, 20 ms batches after 0.2 s of settling): ``jax.nn`` as the README's
+:func:`attention.interleaved_ms`: 0.3 s batches after 0.2 s of settling): ``jax.nn`` as the README's
 cuDNN row calls it, ``jax.nn`` asked for its softmax statistics as well (what our backend asks for,
 since the backward needs the log-sum-exp), and ``ejkfn.flash_attention(platform="cudnn")``. For each
 compiled program it also lists the cuDNN custom calls, to show that our backward's second forward

@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from attention import parse_shapes
+from attention import MIN_BATCH_MS, parse_shapes
 
 import ejkfn
 from ejkfn import BwdParams, FwdParams
@@ -163,12 +163,13 @@ INFERENCE_MARGIN = 0.01
 # pair were within 1% of each other at several shapes, where one tune's pick read 2-4% behind in the
 # next table (benchmarks/NOTES.md, fourteenth round).
 RUNOFF = 0.03
-# Batches as long as the table's (attention.py --min-batch-ms). With 10 ms batches and one settling
+# Batches as long as the table's (attention.MIN_BATCH_MS). With 10 ms batches and one settling
 # call, the eighteenth round's tune had cuDNN 4-6% ahead of the Mosaic pair at 4x4096 and 2x8192;
-# the two tables after it read cuDNN between 2% ahead and 5% behind (benchmarks/NOTES.md). Before
+# the two tables after it read cuDNN between 2% ahead and 5% behind. With 20 ms batches one program
+# read up to 5% apart, with 300 ms within 0.7% (benchmarks/NOTES.md, thirty-fourth round). Before
 # each batch the Tuner settles by its default: 0.2 s on a GPU, as the table has since the
 # twenty-fourth round.
-BATCH_SECONDS = 0.02
+BATCH_SECONDS = MIN_BATCH_MS / 1e3
 # A config that runs one of cuDNN's kernels (its platform, or its backward kernel on the Mosaic
 # forward's residuals) ships only where it beats the fastest config of our own kernels by more than
 # this. A smaller lead is within the tuner's resolution: at 4x4096x16x128 causal on an H200 a tune
