@@ -349,15 +349,17 @@ class Tuner:
         timed_args: tuple[Any, ...] = (dynamic,)
         if backward:
             try:
-                weights = _loss_weights(kernel, candidates[0], static, dynamic, self.seed)
-                jax.jit(_loss_and_grad(kernel, candidates[0], static)).lower(dynamic, weights)
-                timed_args = (dynamic, weights)
+                cotangents = _cotangents(kernel, candidates[0], static, dynamic, self.seed)
+                jax.jit(_forward_and_backward(kernel, candidates[0], static)).lower(
+                    dynamic, cotangents
+                )
+                timed_args = (dynamic, cotangents)
             except Exception as exc:  # not differentiable: time the forward alone
                 backward = False
                 notes.append(f"backward not timed, forward only ({_short(exc)})")
 
         def build(cfg: Any) -> Callable[..., Any]:
-            fn = _loss_and_grad(kernel, cfg, static) if backward else _forward(kernel, cfg, static)
+            fn = (_forward_and_backward if backward else _forward)(kernel, cfg, static)
             return jax.jit(fn).lower(*timed_args).compile()
 
         from tqdm import tqdm  # the terminal bar: tqdm.auto warns in notebooks without widgets
@@ -417,40 +419,43 @@ def _float_outputs(out: Any) -> list[Any]:
     return [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.inexact)]
 
 
-def _loss_weights(
+def _cotangents(
     kernel: Kernel, cfg: Any, static: Any, dynamic: list[Any], seed: int
 ) -> list[jax.Array]:
-    """Random weights, one array per floating output, that make the timed loss's cotangents random.
+    """Random cotangents, one per floating output, in that output's dtype: what training hands a
+    backward (the next layer's gradient), passed into the timed program.
 
-    A plain ``sum`` of the outputs hands the backward a cotangent of ones, which training never
-    does: XLA may fold a constant cotangent into the backward's first fusions, and on a power-capped
-    GPU a kernel's clock follows the power its data draws. Random weights time what training runs.
+    Ones (a plain ``sum``) let XLA fold a constant cotangent into the backward's first fusions, and
+    on a power-capped GPU a kernel's clock follows the power its data draws. Cotangents built inside
+    the timed program (a weighted loss's f32 weights, cast) timed our attention backwards 3-7%
+    slower against cuDNN's than training runs them (benchmarks/NOTES.md, thirty-fourth round).
     """
     shapes = _float_outputs(jax.eval_shape(_forward(kernel, cfg, static), dynamic))
-    keys = jax.random.split(jax.random.key(seed + 1), max(len(shapes), 1))
-    return [jax.random.normal(k, o.shape, jnp.float32) for k, o in zip(keys, shapes, strict=False)]
+    if not shapes:
+        raise TypeError(f"{kernel.name} has no floating outputs to differentiate")
+    keys = jax.random.split(jax.random.key(seed + 1), len(shapes))
+    return [jax.random.normal(k, o.shape, o.dtype) for k, o in zip(keys, shapes, strict=False)]
 
 
-def _loss_and_grad(kernel: Kernel, cfg: Any, static: Any) -> Callable[..., Any]:
+def _forward_and_backward(kernel: Kernel, cfg: Any, static: Any) -> Callable[..., Any]:
+    """``(dynamic, cotangents) -> (float outputs, their vjp onto the floating inputs)``: one
+    training step's work for the kernel, every result returned (nothing left for XLA to drop)."""
     forward = _forward(kernel, cfg, static)
 
-    def loss(dynamic: list[Any], weights: list[jax.Array]) -> jax.Array:
-        outs = _float_outputs(forward(dynamic))
-        return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights, strict=True))
-
-    def value_and_grad(dynamic: list[Any], weights: list[jax.Array]) -> Any:
+    def run(dynamic: list[Any], cotangents: list[jax.Array]) -> Any:
         # Differentiate with respect to floating arrays only; the rest ride along as constants.
         is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in dynamic]
         floats = [x for x, f in zip(dynamic, is_float, strict=True) if f]
 
-        def of_floats(fl: list[Any]) -> jax.Array:
+        def of_floats(fl: list[Any]) -> list[Any]:
             it = iter(fl)
             merged = [next(it) if f else x for x, f in zip(dynamic, is_float, strict=True)]
-            return loss(merged, weights)
+            return _float_outputs(forward(merged))
 
-        return jax.value_and_grad(of_floats)(floats)
+        outs, vjp = jax.vjp(of_floats, floats)
+        return outs, vjp(cotangents)
 
-    return value_and_grad
+    return run
 
 
 def autotune(
