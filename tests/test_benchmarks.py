@@ -391,3 +391,15 @@ def test_ring_attention_benchmark_smoke(tmp_path):
         assert max(row["rel_err"].values()) < 1e-2
         timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k]
         assert len(timed) == 7 and all(row[k] > 0 for k in timed)
+
+
+@pytest.mark.slow
+def test_tuner_harness_times_one_pair_every_way(tmp_path):
+    _run("tuner_harness_gpu.py", "--cpu-smoke", "--masks", "both", "--calls", "2", "--rounds", "2", "--min-batch-ms", "1", "--settle-ms", "0", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "tuner_harness_*.json")["rows"]
+    harnesses = [f"{h}, {s}" for h in ("vjp", "weighted loss") for s in ("rotating", "one set")]
+    assert [r["harness"] for r in rows] == 2 * [*harnesses, "Tuner"]
+    assert [r["case"] for r in rows] == 5 * ["1x256x2x64"] + 5 * ["1x256x2x64 causal"]
+    for row in rows:
+        assert set(row["ms"]) == {"dense", "chunked"} and min(row["ms"].values()) > 0
+        assert row["ratio"] == row["ms"]["chunked"] / row["ms"]["dense"]
