@@ -33,6 +33,7 @@ import logging
 import os
 import platform as host_platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -467,6 +468,49 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+# The README's columns: (header, implementation, ratio to cuDNN shown).
+COLUMNS = [
+    ("cuDNN", "jax.nn cudnn", False),
+    ("Mosaic", "ejkfn pallas/mosaic", True),
+    ("tokamax Mosaic GPU", "tokamax mosaic_gpu", True),
+    ("Triton", "ejkfn triton/triton", False),
+    ("Pallas-Triton", "ejkfn pallas/triton", False),
+    ("ejkfn `cudnn`", "ejkfn cudnn/cudnn", False),
+    ("`auto`", "ejkfn auto", True),
+    ("JAX Pallas `mha`", "jax pallas-triton mha", False),
+]
+
+
+def platform_table(results: list[dict[str, Any]]) -> str:
+    """The README's table: forward / forward+backward TFLOP/s of each column, with the ratio to cuDNN
+    in brackets where the goals compare it; ``-`` where a column did not run."""
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        by_case.setdefault(r["case"], {})[r["impl"]] = r
+    lines = [
+        "| B x S x H x D | " + " | ".join(header for header, _, _ in COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 1) + "|",
+    ]
+    for case, impls in by_case.items():
+        cudnn = impls.get("jax.nn cudnn", {})
+        cells = [re.sub(r"/(\d+)kvx", r"(\1 kv)x", case)]  # 2x8192x32/8kvx128: 2x8192x32(8 kv)x128
+        for _, name, with_ratio in COLUMNS:
+            r = impls.get(name, {})
+            if not r.get("fwd_tflops"):
+                cells.append("-")
+                continue
+            parts = []
+            for key in ("fwd_tflops", "fwd_bwd_tflops"):
+                value, base = r.get(key), cudnn.get(key)
+                text = f"{value:.0f}" if value else "-"
+                parts.append(
+                    f"{text} ({value / base:.2f})" if with_ratio and value and base else text
+                )
+            cells.append(" / ".join(parts))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def summary(results: list[dict[str, Any]]) -> str:
     """The goals' view, as a markdown table: ratios measured side by side in this run."""
     by_case: dict[str, dict[str, dict[str, Any]]] = {}
@@ -559,6 +603,13 @@ def main() -> int:
     )
     parser.add_argument("--peers", help="folder of peer libraries, appended to the import path")
     parser.add_argument(
+        "--tabulate",
+        nargs="+",
+        metavar="RESULTS",
+        help="print the tables of saved results (runs of the same code, e.g. a table split over "
+        "several runs by --shapes) and exit; measures nothing",
+    )
+    parser.add_argument(
         "--power", action="store_true", help="also board power and SM clock under each (nvidia-smi)"
     )
     parser.add_argument(
@@ -569,6 +620,11 @@ def main() -> int:
         parser.error(f"--min-batch-ms must be 0 or more, got {args.min_batch_ms}")
     if not args.settle_ms >= 0:
         parser.error(f"--settle-ms must be 0 or more, got {args.settle_ms}")
+    if args.tabulate:
+        saved = [json.loads(Path(path).read_text()) for path in args.tabulate]
+        results = [r for run in saved for r in run["results"]]
+        print(platform_table(results), summary(results), sep="\n\n")
+        return 0
     if args.order_seed is None:
         args.order_seed = random.SystemRandom().randrange(2**31)
     if args.peers:

@@ -43,6 +43,22 @@ def test_attention_benchmark_checks_then_times(tmp_path):
     assert all(r["correct"] and r["fwd_ms"] > 0 and r["fwd_bwd_spread"] >= 1 for r in timed)
     assert all(len(r["fwd_rounds_ms"]) == len(r["fwd_bwd_rounds_ms"]) == 2 for r in timed)
     assert any("error" in r for r in results if r["impl"] == "jax.nn cudnn")  # no cuDNN on a CPU
+    [path] = tmp_path.glob("attention_bench_*.json")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--tabulate", str(path)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr[-2000:]
+    auto = next(r for r in timed if r["impl"] == "ejkfn auto")
+    row = next(line for line in lines if line.startswith("| 1x128x2x64 |"))
+    cells = row.split(" | ")
+    assert cells[1] == "-"  # no cuDNN: no ratios either
+    assert cells[7] == f"{auto['fwd_tflops']:.0f} / {auto['fwd_bwd_tflops']:.0f}"
+    assert any(line.startswith("| shape | best ejkfn fwd / cuDNN") for line in lines)
 
 
 @pytest.mark.slow
