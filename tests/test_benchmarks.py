@@ -277,6 +277,24 @@ def test_reselect_rewrites_only_the_configs_its_tune_made(tmp_path):
         reselect([log("c.json", "3x8x1/1x8", 1e-3)], tmp_path / "layer")
 
 
+def test_platform_table_shows_ratios_to_cudnn_where_the_goals_compare():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import platform_table
+
+    def row(impl, fwd, both):
+        return dict(case="2x8192x32/8kvx128 causal", impl=impl, fwd_tflops=fwd, fwd_bwd_tflops=both)
+
+    table = platform_table(
+        [row("jax.nn cudnn", 500.0, 400.0), row("ejkfn pallas/mosaic", 550.0, 404.0),
+         row("ejkfn triton/triton", 450.4, 380.6), {"case": row("", 0, 0)["case"], "impl": "ejkfn auto", "error": "boom"}]
+    )  # fmt: skip
+    header, rule, line = table.splitlines()
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(cells) == len(header.strip("|").split("|")) == rule.count("---") == 9
+    assert cells[:5] == ["2x8192x32(8 kv)x128 causal", "500 / 400", "550 (1.10) / 404 (1.01)", "-", "450 / 381"]  # fmt: skip
+    assert cells[7] == "-"  # auto failed: no reading
+
+
 def test_tune_shipped_times_each_forward_once():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_shipped import distinct_forwards, with_inference
