@@ -236,7 +236,10 @@ class Tuner:
         iters: timed calls of each candidate, split over the rounds and run back to back there.
         rounds: interleaved rounds (at most ``iters``).
         min_batch_seconds: a candidate's timed batch runs at least this long (more calls than its
-            share of ``iters`` where its calls are short; needs ``warmup >= 1``).
+            share of ``iters`` where its calls are short; needs ``warmup >= 1``). Longer batches
+            resolve closer candidates at a cost in time: on an H200 one attention program read up
+            to 5% apart between 20 ms batches and within 0.7% between 0.3 s ones, which the
+            shipped configs are tuned with (benchmarks/NOTES.md, thirty-fourth round).
         settle_seconds: the untimed calls before each timed batch run at least this long, so a GPU's
             clock has followed this candidate's power before it is timed (0: one call; needs
             ``warmup >= 1``; ``None``: :data:`GPU_SETTLE_SECONDS` where JAX's default backend is a
