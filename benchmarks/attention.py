@@ -468,6 +468,15 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def timed_by_case(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """case -> implementation -> result, of the results that were timed."""
+    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    for r in results:
+        if "fwd_tflops" in r:
+            by_case.setdefault(r["case"], {})[r["impl"]] = r
+    return by_case
+
+
 # The README's columns: (header, implementation, ratio to cuDNN shown).
 COLUMNS = [
     ("cuDNN", "jax.nn cudnn", False),
@@ -484,14 +493,11 @@ COLUMNS = [
 def platform_table(results: list[dict[str, Any]]) -> str:
     """The README's table: forward / forward+backward TFLOP/s of each column, with the ratio to cuDNN
     in brackets where the goals compare it; ``-`` where a column did not run."""
-    by_case: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in results:
-        by_case.setdefault(r["case"], {})[r["impl"]] = r
     lines = [
         "| B x S x H x D | " + " | ".join(header for header, _, _ in COLUMNS) + " |",
         "|---" * (len(COLUMNS) + 1) + "|",
     ]
-    for case, impls in by_case.items():
+    for case, impls in timed_by_case(results).items():
         cudnn = impls.get("jax.nn cudnn", {})
         cells = [re.sub(r"/(\d+)kvx", r"(\1 kv)x", case)]  # 2x8192x32/8kvx128: 2x8192x32(8 kv)x128
         for _, name, with_ratio in COLUMNS:
@@ -513,10 +519,6 @@ def platform_table(results: list[dict[str, Any]]) -> str:
 
 def summary(results: list[dict[str, Any]]) -> str:
     """The goals' view, as a markdown table: ratios measured side by side in this run."""
-    by_case: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in results:
-        if "fwd_tflops" in r:
-            by_case.setdefault(r["case"], {})[r["impl"]] = r
     lines = [
         "| shape | best ejkfn fwd / cuDNN | best ejkfn fwd+bwd / cuDNN | auto / fastest ejkfn (fwd, "
         "fwd+bwd) | Triton / mha (fwd, fwd+bwd) | Pallas-Triton / mha (fwd, fwd+bwd) | best ejkfn / "
@@ -527,7 +529,7 @@ def summary(results: list[dict[str, Any]]) -> str:
     def ratio(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}" if a and b else "-"
 
-    for case, impls in by_case.items():
+    for case, impls in timed_by_case(results).items():
         cudnn = impls.get("jax.nn cudnn", {})
         mha = impls.get("jax pallas-triton mha", {})
         auto = impls.get("ejkfn auto", {})

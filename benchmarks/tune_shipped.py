@@ -217,6 +217,15 @@ def preferring_own(
     return own if own_seconds <= best * (1 + margin) else fastest
 
 
+def shipped_choice(
+    seconds: Sequence[tuple[AttentionConfig, float]],
+    forward_seconds: Sequence[tuple[AttentionConfig, float]],
+) -> AttentionConfig:
+    """What a tune ships from its times: :func:`preferring_own` of the forward+backward times,
+    carrying the fastest forward as its inference config where :func:`with_inference` says."""
+    return with_inference(preferring_own(seconds), forward_seconds)
+
+
 def forward_of(cfg: AttentionConfig) -> tuple[Any, ...]:
     """What decides the forward a config runs (its backward's blocks do not)."""
     return cfg.platform, cfg.variant, cfg.fwd
@@ -270,8 +279,8 @@ def tune(args: argparse.Namespace) -> None:
             forward = tuner.tune(inv, distinct_forwards(cfgs), validate_backward=False)
             print(forward.table())
             forward_times = {repr(r.cfg): r.seconds for r in forward.results if r.ok}
-            best = with_inference(
-                preferring_own([(r.cfg, r.seconds) for r in report.results if r.ok]),
+            best = shipped_choice(
+                [(r.cfg, r.seconds) for r in report.results if r.ok],
                 [(r.cfg, r.seconds) for r in forward.results if r.ok],
             )
             meta = {
@@ -333,7 +342,7 @@ def chosen_from_log(entry: dict[str, Any]) -> AttentionConfig:
     """The config :func:`tune` would ship from a log entry's times (``seconds``, ``fwd_seconds``)."""
     seconds = [(config_of(text), t) for text, t in entry["seconds"].items()]
     forwards = [(config_of(text), t) for text, t in entry.get("fwd_seconds", {}).items()]
-    return with_inference(preferring_own(seconds), forwards)
+    return shipped_choice(seconds, forwards)
 
 
 def reselect(logs: list[str], folder: Path = PACKAGE_LAYER) -> None:
@@ -341,19 +350,18 @@ def reselect(logs: list[str], folder: Path = PACKAGE_LAYER) -> None:
     config: the one whose fastest time its ``meta`` records (a later tune of the shape replaced the
     others' picks; a reselection keeps the meta). ``folder``: the cache folder to rewrite."""
     layer = ejkfn.PersistentCache(folder)
+    shipped_by_shape = {}  # (device, shape) -> (key, meta); a reselection keeps both
+    for key in layer.keys():
+        meta = (layer.record(key) or {}).get("meta") or {}
+        shipped_by_shape[meta.get("device_kind"), meta.get("shape")] = key, meta
     for path in logs:
         saved = json.loads(Path(path).read_text())
-        by_shape = {}
-        for key in layer.keys():
-            meta = (layer.record(key) or {}).get("meta") or {}
-            if meta.get("device_kind") == saved["device"]:
-                by_shape[meta.get("shape")] = key, meta
         for entry in saved["log"]:
-            if entry["shape"] not in by_shape:
+            if (saved["device"], entry["shape"]) not in shipped_by_shape:
                 raise SystemExit(
                     f"{path}: no shipped config for {saved['device']} {entry['shape']}"
                 )
-            key, meta = by_shape[entry["shape"]]
+            key, meta = shipped_by_shape[saved["device"], entry["shape"]]
             if meta.get("tuned_fwd_bwd_ms") != min(entry["seconds"].values()) * 1e3:
                 continue  # not the tune whose pick ships
             chosen, shipped = chosen_from_log(entry), layer.get(key)

@@ -437,7 +437,7 @@ def _cotangents(
     if not shapes:
         raise TypeError(f"{kernel.name} has no floating outputs to differentiate")
     keys = jax.random.split(jax.random.key(seed + 1), len(shapes))
-    return [jax.random.normal(k, o.shape, o.dtype) for k, o in zip(keys, shapes, strict=False)]
+    return [jax.random.normal(k, o.shape, o.dtype) for k, o in zip(keys, shapes, strict=True)]
 
 
 def _forward_and_backward(kernel: Kernel, cfg: Any, static: Any) -> Callable[..., Any]:
