@@ -112,6 +112,7 @@ def implementations(
     auto: bool = False,
     cudnn_bwd: bool = False,
     dkdv_bands: Sequence[int] = (),
+    persistent_dkdv: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -257,6 +258,11 @@ def implementations(
             impls[f"mosaic + {name}, dK/dV tiles in bands of {label} kv heads"] = direct(
                 bp, dkdv_band=band
             )
+            if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
+                dq_persistent = not (case.causal and case.dim > 64)  # the dQ kernel's default
+                impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
+                    bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
+                )
     if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
@@ -289,6 +295,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.auto,
             args.cudnn_bwd,
             [int(n) for n in args.dkdv_bands.split(",") if n],
+            args.persistent_dkdv,
         )
         for row in check_then_time(
             case,
@@ -391,6 +398,11 @@ def main() -> int:
         help="also the split and fused backwards with their dK/dV tiles in bands of this many "
         "(batch, kv head) pairs (comma-separated; all of them: heads fastest), heads fastest "
         "within a band",
+    )
+    parser.add_argument(
+        "--persistent-dkdv",
+        action="store_true",
+        help="with --dkdv-bands, also those backwards with the dK/dV kernel on the persistent grid",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

@@ -893,6 +893,27 @@ def test_mosaic_dq_rounds_balance_causal_work():
     assert g.resident == 132 and g.dq_rounds.ctas == 128
 
 
+def test_mosaic_dkdv_rounds_balance_causal_work():
+    """A persistent causal dK/dV grid in bands of 8 heads: at 4x4096x32x64, 132 CTAs' alternating
+    rounds put the heavy tiles of every band on the same CTAs (busiest 1.47x the mean); 128 CTAs
+    pair each heavy tile with a light one. Without a mask or persistence nothing is balanced."""
+    spec = AttentionSpec(scale=0.1, causal=True)
+    q = jax.ShapeDtypeStruct((4, 4096, 32, 64), jnp.bfloat16)
+    g = _pallas_mosaic_bwd._geom(q, q, spec, _mosaic_bwd(128, 128), False, (True, False))
+    work = g.dkdv_tile_work()
+    mean = work.sum() / 132
+    assert g.resident == 132 and g.dkdv_band == 8 and g.dkdv_rounds.ctas == 128
+    assert g.dkdv_rounds.busiest(work) < 1.04 * mean
+    assert Rounds.of(len(work), 132, True).busiest(work) > 1.4 * mean
+    assert sorted(set(work)) == [n + 1.0 for n in range(1, 33)]  # 32 query blocks down to 1
+    one_tile = dataclasses.replace(g, persistent=(False, False))
+    no_mask = _pallas_mosaic_bwd._geom(
+        q, q, AttentionSpec(scale=0.1, causal=False), _mosaic_bwd(128, 128), False, (True, False)
+    )
+    assert one_tile.dkdv_rounds.ctas == len(work) and no_mask.dkdv_rounds.ctas == 132
+    assert (no_mask.dkdv_tile_work() == 32 + 1).all()
+
+
 def test_mosaic_tile_order_rule():
     """The forward goes along the sequence; the backward's dQ kernel too, and its dK/dV kernel
     except causal below 16k keys (there heads fastest, in bands)."""

@@ -18,7 +18,8 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_grid` (its ring and
 barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
 epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
-measured 0.95-0.97x, and the dK/dV kernel takes one CTA per tile (the same either way).
+measured 0.95-0.97x, and the dK/dV kernel only at head dims up to 64 (0.99-1.03x, and above 64
+0.85-0.98x).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (head dims padded to 128, 64 query rows by 128 keys):
 both warpgroups store their dS^T to a shared, double-buffered tile and meet on a barrier; each then
@@ -68,6 +69,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -275,11 +277,29 @@ class _Geom:
         """The dK/dV kernel's tiles along the keys of one kv head."""
         return self.skp // self.key_rows
 
-    @property
+    @functools.cached_property
     def dkdv_rounds(self) -> Rounds:
-        """The dK/dV kernel's tiles (key rows of a kv head) over its CTAs."""
-        tiles = self.kv_heads * self.key_tiles * self.batch
-        return Rounds.of(tiles, self.resident, self.persistent[0])
+        """The dK/dV kernel's tiles (key rows of a kv head) over its CTAs; a persistent causal grid
+        balanced on their work (:meth:`Rounds.balanced`). Its rounds alternate direction, and
+        where a band's heavy-to-light run falls in step with them, one CTA count puts the heavy
+        tiles on the same CTAs: at 4x4096x32x64 causal in bands of 8 heads, 132 CTAs' busiest did
+        1.47x the mean work and 128 CTAs' 1.00x (benchmarks/NOTES.md, thirty-fifth round)."""
+        if not (self.balanced and self.persistent[0] and self.causal):
+            tiles = self.kv_heads * self.key_tiles * self.batch
+            return Rounds.of(tiles, self.resident, self.persistent[0])
+        return Rounds.balanced(self.dkdv_tile_work(), self.resident, True)
+
+    def dkdv_tile_work(self) -> np.ndarray:
+        """Each dK/dV tile's work, in work-item order: the query blocks its keys see, once for each
+        head of the group, plus one for its epilogue."""
+        index = np.arange(self.kv_heads * self.key_tiles * self.batch, dtype=np.int32)
+        _, _, rank = split_index(
+            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
+            self.dkdv_band,
+        )  # fmt: skip
+        first_row = np.maximum(rank * self.key_rows - self.offset, 0) * self.causal
+        blocks = self.q_blocks - np.minimum(first_row // self.bq, self.q_blocks)
+        return blocks * self.group + 1.0
 
     @functools.cached_property
     def dq_rounds(self) -> Rounds:
@@ -887,10 +907,14 @@ def _geom(
         kv_heads=kv_heads,
         batch=batch,
         resident=resident_ctas(interpret),
-        # Measured on an H200 (results/mosaic_variants_NVIDIA_H200_20261121-140226.json): the dK/dV
-        # kernel the same either way; the dQ kernel 1.03-1.05x persistent at head dim 64 and not
-        # causal at 128, 0.95-0.97x causal at 128.
-        persistent=(False, not (spec.causal and dpad > 64)) if persistent is None else persistent,
+        # The dQ kernel persistent (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json):
+        # 1.03-1.05x at head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The dK/dV
+        # kernel persistent at head dim 64, forward+backward (benchmarks/NOTES.md, thirty-fifth
+        # round): 1.003-1.008x without a mask on an H100, 0.99-1.02x causal on it with balanced
+        # rounds, 1.01-1.03x on an H200; at 128 0.85-0.98x.
+        persistent=(dpad <= 64, not (spec.causal and dpad > 64))
+        if persistent is None
+        else persistent,
         along_sequence=order,
         registers_a=not interpret,
         fused=fused,
