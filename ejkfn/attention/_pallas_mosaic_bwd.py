@@ -18,8 +18,8 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_grid` (its ring and
 barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
 epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
-measured 0.95-0.97x, and the dK/dV kernel only at head dims up to 64 (0.99-1.03x, and above 64
-0.85-0.98x).
+measured 0.95-0.97x, and the dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly above
+1.00x; at 128 0.83-0.98x).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (head dims padded to 128, 64 query rows by 128 keys):
 both warpgroups store their dS^T to a shared, double-buffered tile and meet on a barrier; each then
@@ -282,8 +282,9 @@ class _Geom:
         """The dK/dV kernel's tiles (key rows of a kv head) over its CTAs; a persistent causal grid
         balanced on their work (:meth:`Rounds.balanced`). Its rounds alternate direction, and
         where a band's heavy-to-light run falls in step with them, one CTA count puts the heavy
-        tiles on the same CTAs: at 4x4096x32x64 causal in bands of 8 heads, 132 CTAs' busiest did
-        1.47x the mean work and 128 CTAs' 1.00x (benchmarks/NOTES.md, thirty-fifth round)."""
+        tiles on the same CTAs: at 4x4096x32x64 causal in bands of 8 heads, the busiest of 132 CTAs
+        did 1.47x their mean work (the grid ran 0.92x one CTA a tile on an H200); on 128 CTAs the
+        busiest does 1.03x the same mean (benchmarks/NOTES.md, thirty-fifth round)."""
         if not (self.balanced and self.persistent[0] and self.causal):
             tiles = self.kv_heads * self.key_tiles * self.batch
             return Rounds.of(tiles, self.resident, self.persistent[0])
@@ -909,9 +910,9 @@ def _geom(
         resident=resident_ctas(interpret),
         # The dQ kernel persistent (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json):
         # 1.03-1.05x at head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The dK/dV
-        # kernel persistent at head dim 64, forward+backward (benchmarks/NOTES.md, thirty-fifth
-        # round): 1.003-1.008x without a mask on an H100, 0.99-1.02x causal on it with balanced
-        # rounds, 1.01-1.03x on an H200; at 128 0.85-0.98x.
+        # kernel persistent, forward+backward against one CTA a tile (benchmarks/NOTES.md,
+        # thirty-fifth round): at head dim 64 23 of 27 readings on an H100 and an H200 1.00-1.04x,
+        # 4 0.983-0.998x; at 128 0.83-0.98x.
         persistent=(dpad <= 64, not (spec.causal and dpad > 64))
         if persistent is None
         else persistent,
