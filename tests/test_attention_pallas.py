@@ -914,6 +914,21 @@ def test_mosaic_dkdv_rounds_balance_causal_work():
     assert (no_mask.dkdv_tile_work() == 32 + 1).all()
 
 
+def test_mosaic_backward_persistent_rule():
+    """By default both backward kernels run on the persistent grid at head dims up to 64; at 128
+    the dK/dV kernel takes one CTA a tile, and the dQ kernel too where causal."""
+    for dim, causal, want in (
+        (64, False, (True, True)),
+        (64, True, (True, True)),
+        (128, False, (False, True)),
+        (128, True, (False, False)),
+    ):
+        q = jax.ShapeDtypeStruct((2, 2048, 8, dim), jnp.bfloat16)
+        spec = AttentionSpec(scale=0.1, causal=causal)
+        g = _pallas_mosaic_bwd._geom(q, q, spec, _mosaic_bwd(128, 128), False, None)
+        assert g.persistent == want, (dim, causal)
+
+
 def test_mosaic_tile_order_rule():
     """The forward goes along the sequence; the backward's dQ kernel too, and its dK/dV kernel
     except causal below 16k keys (there heads fastest, in bands)."""
