@@ -218,7 +218,7 @@ class _Geom:
     registers_a: bool = True
     fused: bool = False  # the dK/dV kernel also adds dQ into a float32 accumulator (no dQ kernel)
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
-    balanced: bool = True  # the persistent dQ grid's CTA count chosen for its busiest CTA's work
+    balanced: bool = True  # persistent grids' CTA counts chosen for their busiest CTA's work
     dkdv_band: int = 0  # (batch, kv head) pairs a band of dK/dV tiles (0: along_sequence[0] says)
 
     @property
@@ -954,8 +954,8 @@ def bwd(
     dQ) overrides which kernels run on the persistent grid, ``along_sequence`` their tile order
     (:func:`._mosaic_grid.split_index`), ``dkdv_band`` puts the dK/dV tiles in bands of that many
     (batch, kv head) pairs (by default :func:`_dkdv_band` where they go heads fastest),
-    ``balanced=False`` runs a persistent dQ grid on every resident CTA (for comparison). The caller
-    checks dtypes and features (as for the forward).
+    ``balanced=False`` runs a persistent dQ grid, or causal dK/dV grid, on every resident CTA (for
+    comparison). The caller checks dtypes and features (as for the forward).
     """
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
