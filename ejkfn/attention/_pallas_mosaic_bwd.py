@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .._registry import BwdParams
-from ._backend import band_sizes
+from ._backend import band_sizes, on_host, tile_div
 from ._mosaic_grid import (
     FIRST_FREE_BARRIER,
     HOPPER_SMEM_BYTES,
@@ -298,9 +298,7 @@ class _Geom:
             index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
             self.dkdv_band,
         )  # fmt: skip
-        first_row = np.maximum(rank * self.key_rows - self.offset, 0) * self.causal
-        blocks = self.q_blocks - np.minimum(first_row // self.bq, self.q_blocks)
-        return blocks * self.group + 1.0
+        return (self.q_blocks - self.first_q_block(rank * self.key_rows)) * self.group + 1.0
 
     @functools.cached_property
     def dq_rounds(self) -> Rounds:
@@ -337,11 +335,13 @@ class _Geom:
     # dK/dV: which query blocks the keys from ``key`` on see.
 
     def first_q_block(self, key: Any) -> Any:
-        """The first query block that sees key ``key``."""
+        """The first query block that sees key ``key``: inside a kernel, or on numpy arrays (the
+        grid planned on the host)."""
+        host = on_host(key)
         if not self.causal:
-            return jnp.int32(0)
-        first_row = jnp.maximum(key - self.offset, 0)
-        return jnp.minimum(lax.div(first_row, self.bq), self.q_blocks)
+            return np.zeros_like(key) if host else jnp.int32(0)
+        xp = np if host else jnp
+        return xp.minimum(tile_div(xp.maximum(key - self.offset, 0), self.bq), self.q_blocks)
 
     def first_full_q_block(self, key: Any, first: Any) -> Any:
         """The first query block (from ``first`` on) whose every row sees all 64 keys from ``key``."""
