@@ -59,7 +59,7 @@ from check_mosaic_bwd_gpu import ours, rel_err
 
 import ejkfn
 from ejkfn import BwdParams, FwdParams
-from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
+from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
@@ -113,12 +113,15 @@ def implementations(
     cudnn_bwd: bool = False,
     dkdv_bands: Sequence[int] = (),
     persistent_dkdv: bool = False,
+    portable_bwd: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
     each Mosaic backward that takes the shape; with ``auto``, also ``ejkfn.flash_attention`` as a
     user calls it (``platform="auto"``: the shipped config for this GPU and shape); with
-    ``cudnn_bwd``, also the Mosaic forward with cuDNN's backward kernel on its residuals."""
+    ``cudnn_bwd``, also the Mosaic forward with cuDNN's backward kernel on its residuals; with
+    ``portable_bwd``, also with the Triton-lowering backward (its heuristic blocks), which the
+    heuristic takes only where no Mosaic backward takes the head dim."""
 
     def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -224,10 +227,11 @@ def implementations(
         cudnn_params = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
         impls["mosaic + cudnn"] = jax.jit(fwd_bwd(ours(case.causal, cudnn_params, q, k)))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
-    if heuristic not in (split, fused):  # the heuristic's Triton-lowering backward
-        impls[f"mosaic + {heuristic.variant}"] = jax.jit(
-            fwd_bwd(ours(case.causal, heuristic, q, k))
-        )
+    portable = heuristic if heuristic not in (split, fused) else None
+    if portable_bwd:
+        portable = _pallas_gpu.heuristic(shape)[1]
+    if portable:  # the Mosaic forward, the Triton-lowering backward
+        impls[f"mosaic + {portable.variant}"] = jax.jit(fwd_bwd(ours(case.causal, portable, q, k)))
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
@@ -296,6 +300,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
             args.cudnn_bwd,
             [int(n) for n in args.dkdv_bands.split(",") if n],
             args.persistent_dkdv,
+            args.portable_bwd,
         )
         for row in check_then_time(
             case,
@@ -386,6 +391,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--auto", action="store_true", help="also ejkfn.flash_attention as shipped (platform auto)"
+    )
+    parser.add_argument(
+        "--portable-bwd",
+        action="store_true",
+        help="also the Mosaic forward with the Triton-lowering backward (its heuristic blocks)",
     )
     parser.add_argument(
         "--cudnn-bwd",

@@ -105,7 +105,6 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see heuristic)
-PORTABLE_CAUSAL_KEYS = 16384  # causal at head dim 64, below this the Triton-lowering backward
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
@@ -739,8 +738,8 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
     backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
-    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the
-    Triton-lowering one (also where it leads: :func:`_portable_backward_leads`).
+    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the split one,
+    and the Triton-lowering one above head dim 128.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
@@ -756,32 +755,24 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     on an H100, 0.96-0.98x at 4x2048 (results/bwd_orders_NVIDIA_H200_20261123-092530.json,
     -093257.json, bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json,
     mosaic_variants_NVIDIA_H200_20261123-092040.json).
+
+    Causal at head dim 64 without GQA the Triton-lowering backward had led the split one by
+    1.02-1.10x, until the split's dK/dV kernel went persistent there (benchmarks/NOTES.md,
+    thirty-fifth round). Since then the split leads it after this forward, forward+backward:
+    1.009x at 16x1024x16x64, 1.027x at 4x4096x32x64, 1.035x at 8x2048x32x64 and 1.049x at
+    2x8192x32x64 on an H200; 1.030x and 1.042x at the last two on an H100
+    (results/tune_shipped_NVIDIA_H200_d64_causal_split_vs_portable_20261127.json,
+    tune_shipped_NVIDIA_H200_d64_persistent_20261127.json, ..._H100_80GB_HBM3_d64_persistent_...).
     """
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
     split = _mosaic_bwd(shape)
-    if split is None or _portable_backward_leads(shape):
+    if split is None:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
     fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
     return fp, fused if fused and (not shape.spec.causal or fused_causal) else split
-
-
-def _portable_backward_leads(shape: AttentionShape) -> bool:
-    """Causal at head dims up to 64 without GQA, below ``PORTABLE_CAUSAL_KEYS`` keys, the
-    Triton-lowering backward (with its [keys, queries] dK/dV tiles) ran 1.03-1.10x the Mosaic split
-    one after this forward on an H200, forward+backward at 16x1024x16x64, 8x2048x32x64,
-    4x4096x32x64 and 2x8192x32x64; with GQA (8x2048x32/8x64) 0.96x, and without a mask 0.96-0.98x
-    (results/mosaic_ptbwd_NVIDIA_H200_20261123-075213.json, -075421.json). Against the split one
-    with its tiles along the sequence: 1.02-1.04x at the first three, 0.99x at 2x8192x32x64 (0.98x
-    on an H100; results/bwd_orders_NVIDIA_H200_20261123-093257.json)."""
-    return (
-        shape.spec.causal
-        and _padded_head_dim(shape.head_dim) <= 64
-        and shape.heads == shape.kv_heads
-        and shape.seq_k < PORTABLE_CAUSAL_KEYS
-    )
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
