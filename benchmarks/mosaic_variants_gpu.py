@@ -227,10 +227,8 @@ def implementations(
         cudnn_params = BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
         impls["mosaic + cudnn"] = jax.jit(fwd_bwd(ours(case.causal, cudnn_params, q, k)))
     fused = split and _pallas_mosaic._fused_bwd(shape, split)
-    portable = heuristic if heuristic not in (split, fused) else None
-    if portable_bwd:
+    if portable_bwd or heuristic not in (split, fused):  # the Triton-lowering backward
         portable = _pallas_gpu.heuristic(shape)[1]
-    if portable:  # the Mosaic forward, the Triton-lowering backward
         impls[f"mosaic + {portable.variant}"] = jax.jit(fwd_bwd(ours(case.causal, portable, q, k)))
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
@@ -263,7 +261,7 @@ def implementations(
                 bp, dkdv_band=band
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
-                dq_persistent = not (case.causal and case.dim > 64)  # the dQ kernel's default
+                dq_persistent = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim)[1]
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
                 )

@@ -822,6 +822,16 @@ def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> tuple[bool, bool]:
     return dkdv, True
 
 
+def default_persistent(causal: bool, head_dim: int) -> tuple[bool, bool]:
+    """Which kernels, (dK/dV, dQ), run on the persistent grid by default.
+
+    The dQ kernel (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json): 1.03-1.05x at
+    head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The dK/dV kernel,
+    forward+backward against one CTA a tile (benchmarks/NOTES.md, thirty-fifth round): at head dim
+    64 23 of 27 readings on an H100 and an H200 1.00-1.04x, 4 0.983-0.998x; at 128 0.83-0.98x."""
+    return head_dim <= 64, not (causal and head_dim > 64)
+
+
 DKDV_BAND = 8  # (batch, kv head) pairs a band of the dK/dV kernel's tiles, where heads go fastest
 
 
@@ -908,14 +918,7 @@ def _geom(
         kv_heads=kv_heads,
         batch=batch,
         resident=resident_ctas(interpret),
-        # The dQ kernel persistent (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json):
-        # 1.03-1.05x at head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The dK/dV
-        # kernel persistent, forward+backward against one CTA a tile (benchmarks/NOTES.md,
-        # thirty-fifth round): at head dim 64 23 of 27 readings on an H100 and an H200 1.00-1.04x,
-        # 4 0.983-0.998x; at 128 0.83-0.98x.
-        persistent=(dpad <= 64, not (spec.causal and dpad > 64))
-        if persistent is None
-        else persistent,
+        persistent=default_persistent(spec.causal, dpad) if persistent is None else persistent,
         along_sequence=order,
         registers_a=not interpret,
         fused=fused,
