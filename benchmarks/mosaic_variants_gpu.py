@@ -11,7 +11,8 @@ median over rounds is reported, with its spread (slowest over fastest round); ra
 in this run.
 
     python3 benchmarks/mosaic_variants_gpu.py --out "$OUT"           # the table
-    python3 benchmarks/mosaic_variants_gpu.py --profile              # each kernel twice, for ncu
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --metrics ... --csv \
+        python3 benchmarks/mosaic_variants_gpu.py --profile --unbalanced   # each kernel twice
     python3 benchmarks/mosaic_variants_gpu.py --backward only --other-bwd OLD.py,EDITED.py
 
 ``--other-bwd`` times other revisions of ``_pallas_mosaic_bwd.py`` (``git show
@@ -278,28 +279,35 @@ def implementations(
     return impls
 
 
+def selected_implementations(
+    case: Case, backward: bool, args: argparse.Namespace
+) -> dict[str, Any]:
+    """:func:`implementations` with the variants the command line asks for."""
+    return implementations(
+        case,
+        backward,
+        forward_blocks(args.fwd_blocks),
+        args.one_tile_per_cta,
+        args.tile_order,
+        args.unbalanced,
+        other_revisions(args.other_bwd, "--other-bwd"),
+        args.whole_tail,
+        args.four_memory_warps,
+        other_revisions(args.other_fwd, "--other-fwd"),
+        args.auto,
+        args.cudnn_bwd,
+        [int(n) for n in args.dkdv_bands.split(",") if n],
+        args.persistent_dkdv,
+        args.portable_bwd,
+    )
+
+
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward]:
-        impls = implementations(
-            case,
-            backward,
-            forward_blocks(args.fwd_blocks),
-            args.one_tile_per_cta,
-            args.tile_order,
-            args.unbalanced,
-            other_revisions(args.other_bwd, "--other-bwd"),
-            args.whole_tail,
-            args.four_memory_warps,
-            other_revisions(args.other_fwd, "--other-fwd"),
-            args.auto,
-            args.cudnn_bwd,
-            [int(n) for n in args.dkdv_bands.split(",") if n],
-            args.persistent_dkdv,
-            args.portable_bwd,
-        )
+        impls = selected_implementations(case, backward, args)
         for row in check_then_time(
             case,
             backward,
@@ -323,16 +331,18 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -
                   flush=True)  # fmt: skip
 
 
-def profile(cases: list[Case], passes: Sequence[bool]) -> None:
-    """Each kernel (cuDNN's and the Mosaic variants') twice after compiling, for a profiler
-    wrapped around this process; ``passes`` says which of forward (False) and forward+backward
-    (True) to run."""
+def profile(cases: list[Case], args: argparse.Namespace) -> None:
+    """Each kernel (cuDNN's and the Mosaic variants the command line asks for) twice after
+    compiling, for a profiler wrapped around this process (with ``XLA_PYTHON_CLIENT_PREALLOCATE=
+    false``: ncu's replays otherwise save and restore JAX's whole memory pool each kernel). Each
+    implementation's name goes to stdout before its calls, to match the profiler's kernels."""
     for case in cases:
-        args = inputs(case, 0)
-        for backward in passes:
-            for fn in implementations(case, backward).values():
+        data = inputs(case, 0)
+        for backward in {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward]:
+            for name, fn in selected_implementations(case, backward, args).items():
+                print(f"profile: {case.name} {'fwd+bwd' if backward else 'fwd'} {name}", flush=True)
                 for _ in range(2):
-                    jax.block_until_ready(fn(*args[: 4 if backward else 3]))
+                    jax.block_until_ready(fn(*data[: 4 if backward else 3]))
 
 
 def main() -> int:
@@ -426,7 +436,7 @@ def main() -> int:
         for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     ]
     if args.profile:
-        profile(cases, {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward])
+        profile(cases, args)
         return 0
     rows: list[dict[str, Any]] = []
     t0 = time.time()

@@ -14,7 +14,8 @@ import pytest
 from ._subprocess import ROOT, child_env
 
 
-def _run(script: str, *args: str, returncode: int = 0) -> None:
+def _run(script: str, *args: str, returncode: int = 0) -> str:
+    """Runs ``benchmarks/script`` with ``args``; its stdout."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         env=child_env(),
@@ -23,6 +24,7 @@ def _run(script: str, *args: str, returncode: int = 0) -> None:
         timeout=600,
     )
     assert done.returncode == returncode, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
 
 
 def _saved(folder, pattern: str) -> dict:
@@ -80,6 +82,15 @@ def test_mosaic_variants_benchmark_smoke(tmp_path):
     zeroed = [r for r in mosaic if r["impl"] == "mosaic, zeroed"]
     assert len(zeroed) == 2 and all(r["max_rel_err_vs_cudnn"] > 0.5 for r in zeroed)
     assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic if r not in zeroed)
+
+
+@pytest.mark.slow
+def test_mosaic_variants_profile_runs_the_variants_asked_for():
+    stdout = _run("mosaic_variants_gpu.py", "--cpu-smoke", "--profile", "--masks", "causal", "--backward", "no", "--unbalanced")  # fmt: skip
+    ran = [line.removeprefix("profile: ") for line in stdout.splitlines() if line.startswith("profile: ")]  # fmt: skip
+    # the CPU smoke has no cuDNN: its stand-in is XLA's attention, under the same name
+    case = "1x256x2x128 causal fwd"
+    assert ran == [f"{case} cudnn", f"{case} mosaic", f"{case} mosaic, all resident CTAs"]
 
 
 @pytest.mark.slow
