@@ -155,17 +155,24 @@ def implementations(
         impls = {"cudnn": jax.jit(cudnn), "mosaic": jax.jit(ours(case.causal, heuristic, q, k))}
         if auto:
             impls["auto"] = jax.jit(selected)
-        for fp in fwds:
-            name = f"mosaic {fp.kv_blocksize}x{fp.num_stages}"
-            name += " cluster of 2" if fp.q_blocksize > 128 else ""
-            impls[name] = jax.jit(ours(case.causal, heuristic, q, k, fp))
 
-        def forward(module: ModuleType = _pallas_mosaic, **options: Any) -> Any:
-            """The heuristic's Mosaic forward (of ``module``, a revision of ``_pallas_mosaic``)
-            with the kernel's private ``options``."""
+        def blocks_name(fp: FwdParams) -> str:
+            cluster = " cluster of 2" if fp.q_blocksize > 128 else ""
+            return f"mosaic {fp.kv_blocksize}x{fp.num_stages}{cluster}"
+
+        for fp in fwds:
+            impls[blocks_name(fp)] = jax.jit(ours(case.causal, heuristic, q, k, fp))
+
+        def forward(
+            module: ModuleType = _pallas_mosaic, params: FwdParams | None = None, **options: Any
+        ) -> Any:
+            """The Mosaic forward (of ``module``, a revision of ``_pallas_mosaic``; ``params``,
+            else the heuristic's) with the kernel's private ``options``."""
 
             def run(q, k, v):
-                out, _ = module._forward(q, k, v, spec=spec, params=None, interpret=None, **options)
+                out, _ = module._forward(
+                    q, k, v, spec=spec, params=params, interpret=None, **options
+                )
                 return out
 
             return jax.jit(run)
@@ -175,6 +182,8 @@ def implementations(
 
         if one_tile_per_cta:  # the grid before the persistent one, for comparison
             impls["mosaic one tile per CTA"] = forward(persistent=False)
+            for fp in fwds:
+                impls[f"{blocks_name(fp)} one tile per CTA"] = forward(params=fp, persistent=False)
         if other_order:
             impls[f"mosaic, {order(other_fwd)}"] = forward(along_sequence=other_fwd)
         if unbalanced:  # the persistent grid on every resident CTA, as before Rounds.balanced
@@ -363,7 +372,9 @@ def main() -> int:
         "--backward", choices=("yes", "no", "only"), default="yes", help="only: forward+backward"
     )
     parser.add_argument(
-        "--one-tile-per-cta", action="store_true", help="also the forward without a persistent grid"
+        "--one-tile-per-cta",
+        action="store_true",
+        help="also the forwards (the heuristic's, each of --fwd-blocks) without a persistent grid",
     )
     parser.add_argument(
         "--tile-order",

@@ -76,9 +76,9 @@ def test_mosaic_variants_benchmark_smoke(tmp_path):
     _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--fwd-blocks", "64x2x256", "--other-fwd", str(other), "--out", str(tmp_path), returncode=1)  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     mosaic = [r for r in rows if r["impl"].startswith("mosaic")]
-    # the persistent, one-tile-per-CTA, two-CTA-cluster and the other revision's forwards, causal
-    # and not
-    assert len(mosaic) == 8 and sum("cluster of 2" in r["impl"] for r in mosaic) == 2
+    # the persistent, one-tile-per-CTA, two-CTA-cluster (on each grid) and the other revision's
+    # forwards, causal and not
+    assert len(mosaic) == 10 and sum("cluster of 2" in r["impl"] for r in mosaic) == 4
     zeroed = [r for r in mosaic if r["impl"] == "mosaic, zeroed"]
     assert len(zeroed) == 2 and all(r["max_rel_err_vs_cudnn"] > 0.5 for r in zeroed)
     assert all(r["max_rel_err_vs_cudnn"] < 2e-2 for r in mosaic if r not in zeroed)
