@@ -103,7 +103,7 @@ def implementations(
     case: Case,
     backward: bool,
     fwds: Sequence[FwdParams] = (),
-    one_tile_per_cta: bool = False,
+    other_grid: bool = False,
     other_order: bool = False,
     unbalanced: bool = False,
     others: dict[str, ModuleType] | None = None,
@@ -180,10 +180,12 @@ def implementations(
         for other, module in (other_fwds or {}).items():
             impls[f"mosaic, {other}"] = forward(module)
 
-        if one_tile_per_cta:  # the grid before the persistent one, for comparison
-            impls["mosaic one tile per CTA"] = forward(persistent=False)
+        if other_grid:  # persistent or one CTA a tile, whichever the shape does not take
+            persistent = not _pallas_mosaic.default_persistent(case.causal, case.seq)
+            grid = "persistent" if persistent else "one tile per CTA"
+            impls[f"mosaic {grid}"] = forward(persistent=persistent)
             for fp in fwds:
-                impls[f"{blocks_name(fp)} one tile per CTA"] = forward(params=fp, persistent=False)
+                impls[f"{blocks_name(fp)} {grid}"] = forward(params=fp, persistent=persistent)
         if other_order:
             impls[f"mosaic, {order(other_fwd)}"] = forward(along_sequence=other_fwd)
         if unbalanced:  # the persistent grid on every resident CTA, as before Rounds.balanced
@@ -197,7 +199,7 @@ def implementations(
 
     def direct(
         bp: BwdParams,
-        fwd_persistent: bool = True,
+        fwd_persistent: bool | None = None,
         bwd_persistent: tuple[bool, bool] | None = None,
         along_sequence: bool | tuple[bool, bool] | None = None,
         balanced: bool = True,
@@ -279,7 +281,7 @@ def implementations(
         impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, all resident CTAs + heuristic backward"] = direct(heuristic, balanced=False)
-    if one_tile_per_cta and split and _pallas_mosaic_bwd.supports(case.dim, split):
+    if other_grid and split and _pallas_mosaic_bwd.supports(case.dim, split):
         # (dK/dV, dQ) grids of the split backward behind the persistent forward; the old grids.
         for dkdv, dq in ((True, True), (False, True), (False, False)):
             name = f"persistent fwd, dK/dV {'pers.' if dkdv else 'tiles'}, dQ {'pers.' if dq else 'tiles'}"
@@ -296,7 +298,7 @@ def selected_implementations(
         case,
         backward,
         forward_blocks(args.fwd_blocks),
-        args.one_tile_per_cta,
+        args.other_grid,
         args.tile_order,
         args.unbalanced,
         other_revisions(args.other_bwd, "--other-bwd"),
@@ -372,9 +374,10 @@ def main() -> int:
         "--backward", choices=("yes", "no", "only"), default="yes", help="only: forward+backward"
     )
     parser.add_argument(
-        "--one-tile-per-cta",
+        "--other-grid",
         action="store_true",
-        help="also the forwards (the heuristic's, each of --fwd-blocks) without a persistent grid",
+        help="also the forwards (the heuristic's, each of --fwd-blocks) on the grid the shape does "
+        "not take (_pallas_mosaic.default_persistent), and the split backward's other grids",
     )
     parser.add_argument(
         "--tile-order",

@@ -436,6 +436,49 @@ def test_mosaic_forward_in_gpu_interpreter(case, q_rows):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
 
 
+def test_mosaic_cluster_forward_one_cluster_a_tile():
+    """Clusters of two CTAs (the heuristic's forward causal from ONE_TILE_CAUSAL_KEYS keys) on the
+    grid of one cluster a tile give what they give on the persistent grid, several tiles a
+    cluster in the interpreter."""
+    case = Case(seq_q=768, seq_k=768, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True)
+    x = _inputs(case, 4)
+    params = FwdParams(q_blocksize=256, kv_blocksize=64, num_stages=2)
+    persistent, one_tile = (
+        _pallas_mosaic._forward(
+            x["q"], x["k"], x["v"], spec=case.spec, params=params, interpret=True,
+            persistent=persistent,
+        )
+        for persistent in (True, False)
+    )  # fmt: skip
+    for a, b in zip(persistent, one_tile, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want, _ = _reference(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(one_tile[0], want) < TOL[case.dtype]
+
+
+def test_mosaic_forward_grid_and_cluster_choice():
+    """Causal from ONE_TILE_CAUSAL_KEYS keys the forward runs one cluster of two CTAs a tile; else
+    the persistent grid, one CTA a tile of it. The tuner sees both tile heights."""
+    keys = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
+
+    def shape(seq, causal, d=128):
+        return AttentionShape(
+            batch=1, seq_q=seq, seq_k=seq, heads=16, kv_heads=16, head_dim=d, dtype="bfloat16",
+            spec=AttentionSpec(scale=0.1, causal=causal),
+        )  # fmt: skip
+
+    for seq, causal, one_tile in (
+        (keys, True, True), (4 * keys, True, True), (keys // 2, True, False), (keys, False, False),
+    ):  # fmt: skip
+        assert _pallas_mosaic.default_persistent(causal, seq) is not one_tile
+        for d in (64, 128):
+            fp = _pallas_mosaic.heuristic(shape(seq, causal, d))[0]
+            assert fp.q_blocksize == (256 if one_tile else 128)
+            cands = _pallas_mosaic.candidates(shape(seq, causal, d))
+            assert {f.q_blocksize for f, _ in cands} == {128, 256}
+            assert len(cands) == len(set(cands))
+
+
 def test_mosaic_forward_copy_loop_on_one_warp_or_four():
     """The ring's copy loop run by one warp of the memory warpgroup (the default) or by all four
     gives the same numbers (in the interpreter, which runs both paths of the copies' arrivals)."""

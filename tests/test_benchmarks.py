@@ -73,7 +73,7 @@ def test_mosaic_variants_benchmark_smoke(tmp_path):
         source + "\n\n_kept = _forward\n\n\ndef _forward(*args, **kwargs):\n"
         "    out, lse = _kept(*args, **kwargs)\n    return out * 0, lse\n"
     )
-    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--one-tile-per-cta", "--fwd-blocks", "64x2x256", "--other-fwd", str(other), "--out", str(tmp_path), returncode=1)  # fmt: skip
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--backward", "no", "--other-grid", "--fwd-blocks", "64x2x256", "--other-fwd", str(other), "--out", str(tmp_path), returncode=1)  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     mosaic = [r for r in rows if r["impl"].startswith("mosaic")]
     # the persistent, one-tile-per-CTA, two-CTA-cluster (on each grid) and the other revision's

@@ -2,7 +2,8 @@
 
 CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows,
 batch), a head's tiles one after another (CTAs at work together share its keys and values in L2),
-causal tiles last rows first (they see the most keys). Each CTA runs three warpgroups: two compute
+causal tiles last rows first (they see the most keys). Causal from ``ONE_TILE_CAUSAL_KEYS`` keys
+the grid has one CTA a tile instead (its CTAs stay closer together along the keys). Each CTA runs three warpgroups: two compute
 warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup streams K and V
 blocks with TMA into a ring of shared memory slots (``num_stages`` deep), running on into the next
 tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
@@ -17,7 +18,8 @@ hardware barriers, mostly 1-4% faster than mbarriers on an H100 and an H200 (0.9
 runs of eight shapes; benchmarks/NOTES.md, eighteenth round).
 With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
 warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
-refilled once both CTAs have released it (a tuner candidate: it measured even with one CTA a tile).
+refilled once both CTAs have released it (the heuristic's on the grid of one CTA a tile; a tuner
+candidate elsewhere, where it measured even with one CTA a tile).
 Without a mask, where a last round of tiles would leave CTAs idle, its key blocks are dealt out to
 every CTA instead (``_mosaic_grid.SplitTail``) and each split tile's pieces merged after the kernel
 by their softmax sums (1-2% on an H200 where the last round idled most CTAs).
@@ -105,6 +107,15 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see heuristic)
+# Causal from this many keys the forward runs one CTA a tile, in clusters of two (see heuristic).
+# The hardware's block scheduler keeps the CTAs at work on neighbouring tiles of one head, which
+# then read its keys and values from HBM about once; the persistent grid's CTAs drift apart along
+# the keys over their rounds and read them 4-5 times (ncu, H200: 1.22 GB against 0.40 GB at
+# 2x16384x16x128, 6.5 GB against 1.3 GB at 1x65536). On an H200 one CTA a tile in clusters ran
+# 1.03-1.05x the persistent grid from 16k keys, and 0.96-0.97x at 4x4096 and 2x8192
+# (results/mosaic_variants_NVIDIA_H200_20261127-232134.json; benchmarks/NOTES.md, thirty-seventh
+# round).
+ONE_TILE_CAUSAL_KEYS = 16384
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
@@ -485,6 +496,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         feed_ring(slots, my_tiles, items, fetch, (k_used, v_used), g.one_memory_warp)
 
 
+def default_persistent(causal: bool, seq_k: int) -> bool:
+    """Whether the forward takes the persistent grid: all but causal from ``ONE_TILE_CAUSAL_KEYS``
+    keys."""
+    return not (causal and seq_k >= ONE_TILE_CAUSAL_KEYS)
+
+
 def _interpreting(interpret: bool | None) -> bool:
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
@@ -523,7 +540,7 @@ def _forward(
     params: FwdParams | None,
     interpret: bool | None,
     pingpong: bool = True,
-    persistent: bool = True,
+    persistent: bool | None = None,
     along_sequence: bool | None = None,
     balanced: bool = True,
     split_tail: bool = True,
@@ -556,7 +573,7 @@ def _forward(
         heads=heads,
         batch=batch,
         resident=resident_ctas(_interpreting(interpret)),
-        persistent=persistent,
+        persistent=default_persistent(spec.causal, seq_k) if persistent is None else persistent,
         along_sequence=FWD_ALONG_SEQUENCE if along_sequence is None else along_sequence,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,
@@ -736,7 +753,8 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    """128-row query tiles; the largest key block and ring that fit shared memory; the Mosaic
+    """128-row query tiles (causal from ``ONE_TILE_CAUSAL_KEYS`` keys, 256 in clusters of two CTAs,
+    one cluster a tile); the largest key block and ring that fit shared memory; the Mosaic
     backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
     the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the split one,
     and the Triton-lowering one above head dim 128.
@@ -766,13 +784,21 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """
     d = _padded_head_dim(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
-    fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
+    rows = 2 * CTA_ROWS if _clustered(shape) else CTA_ROWS
+    fp = FwdParams(q_blocksize=rows, kv_blocksize=bk, num_warps=12, num_stages=slots)
     split = _mosaic_bwd(shape)
     if split is None:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
     fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
     return fp, fused if fused and (not shape.spec.causal or fused_causal) else split
+
+
+def _clustered(shape: AttentionShape) -> bool:
+    """The forward in clusters of two CTAs: on its grid of one CTA a tile (causal from
+    ``ONE_TILE_CAUSAL_KEYS`` keys), where clusters ran 1.01-1.02x single CTAs on an H200
+    (results/mosaic_variants_NVIDIA_H200_20261127-232134.json)."""
+    return shape.seq_q > CTA_ROWS and not default_persistent(shape.spec.causal, shape.seq_k)
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
@@ -807,8 +833,11 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
                 and (fp, heur[1]) not in out
             ):
                 out.append((fp, heur[1]))
-    if shape.seq_q > CTA_ROWS:  # the heuristic's blocks in clusters of two CTAs (multicast K/V)
-        out.append((dataclasses.replace(heur[0], q_blocksize=2 * CTA_ROWS), heur[1]))
+    if shape.seq_q > CTA_ROWS:  # the heuristic's blocks in clusters of two CTAs or not
+        other_rows = CTA_ROWS if _clustered(shape) else 2 * CTA_ROWS
+        other = (dataclasses.replace(heur[0], q_blocksize=other_rows), heur[1])
+        if other not in out:
+            out.append(other)
     bwds: list[BwdParams] = []
     base = _mosaic_bwd(shape)
     if base is not None:
