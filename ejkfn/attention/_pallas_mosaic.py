@@ -111,10 +111,11 @@ FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see 
 # The hardware's block scheduler keeps the CTAs at work on neighbouring tiles of one head, which
 # then read its keys and values from HBM about once; the persistent grid's CTAs drift apart along
 # the keys over their rounds and read them 4-5 times (ncu, H200: 1.22 GB against 0.40 GB at
-# 2x16384x16x128, 6.5 GB against 1.3 GB at 1x65536). On an H200 one CTA a tile in clusters ran
-# 1.03-1.05x the persistent grid from 16k keys, and 0.96-0.97x at 4x4096 and 2x8192
-# (results/mosaic_variants_NVIDIA_H200_20261127-232134.json; benchmarks/NOTES.md, thirty-seventh
-# round).
+# 2x16384x16x128, 6.5 GB against 1.3 GB at 1x65536). One cluster a tile ran 1.03-1.05x the
+# persistent grid from 16k keys on an H200 and 1.02-1.04x on an H100 (GQA and head dim 64 among
+# them); one CTA a tile ran 0.96-0.97x at 4x4096 and 2x8192 (results/mosaic_variants_NVIDIA_H200_
+# 20261127-232134.json, ..._H100_80GB_HBM3_20261127-232629.json, -232704.json; benchmarks/NOTES.md,
+# thirty-seventh round).
 ONE_TILE_CAUSAL_KEYS = 16384
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
@@ -796,8 +797,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
 def _clustered(shape: AttentionShape) -> bool:
     """The forward in clusters of two CTAs: on its grid of one CTA a tile (causal from
-    ``ONE_TILE_CAUSAL_KEYS`` keys), where clusters ran 1.01-1.02x single CTAs on an H200
-    (results/mosaic_variants_NVIDIA_H200_20261127-232134.json)."""
+    ``ONE_TILE_CAUSAL_KEYS`` keys), where clusters ran 1.01-1.02x single CTAs on an H200 and
+    1.00-1.03x on an H100 (the files of ``ONE_TILE_CAUSAL_KEYS``)."""
     return shape.seq_q > CTA_ROWS and not default_persistent(shape.spec.causal, shape.seq_k)
 
 
