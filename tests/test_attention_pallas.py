@@ -436,24 +436,29 @@ def test_mosaic_forward_in_gpu_interpreter(case, q_rows):
     np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=1e-3)
 
 
+def _assert_forward_option_changes_nothing(case: Case, q_rows: int, seed: int, option: str) -> None:
+    """The Mosaic forward in the interpreter gives the same numbers with its private ``option`` on
+    and off, and they match the reference."""
+    x = _inputs(case, seed)
+    params = FwdParams(q_blocksize=q_rows, kv_blocksize=64, num_stages=2)
+    on, off = (
+        _pallas_mosaic._forward(
+            x["q"], x["k"], x["v"], spec=case.spec, params=params, interpret=True, **{option: value}
+        )
+        for value in (True, False)
+    )
+    for a, b in zip(on, off, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want, _ = _reference(x["q"], x["k"], x["v"], spec=case.spec)
+    assert _err(on[0], want) < TOL[case.dtype]
+
+
 def test_mosaic_cluster_forward_one_cluster_a_tile():
     """Clusters of two CTAs (the heuristic's forward causal from ONE_TILE_CAUSAL_KEYS keys) on the
     grid of one cluster a tile give what they give on the persistent grid, several tiles a
     cluster in the interpreter."""
     case = Case(seq_q=768, seq_k=768, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True)
-    x = _inputs(case, 4)
-    params = FwdParams(q_blocksize=256, kv_blocksize=64, num_stages=2)
-    persistent, one_tile = (
-        _pallas_mosaic._forward(
-            x["q"], x["k"], x["v"], spec=case.spec, params=params, interpret=True,
-            persistent=persistent,
-        )
-        for persistent in (True, False)
-    )  # fmt: skip
-    for a, b in zip(persistent, one_tile, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    want, _ = _reference(x["q"], x["k"], x["v"], spec=case.spec)
-    assert _err(one_tile[0], want) < TOL[case.dtype]
+    _assert_forward_option_changes_nothing(case, 256, 4, "persistent")
 
 
 def test_mosaic_forward_grid_and_cluster_choice():
@@ -483,19 +488,7 @@ def test_mosaic_forward_copy_loop_on_one_warp_or_four():
     """The ring's copy loop run by one warp of the memory warpgroup (the default) or by all four
     gives the same numbers (in the interpreter, which runs both paths of the copies' arrivals)."""
     case = Case(seq_q=128, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True)
-    x = _inputs(case, 3)
-    params = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
-    one, four = (
-        _pallas_mosaic._forward(
-            x["q"], x["k"], x["v"], spec=case.spec, params=params, interpret=True,
-            one_memory_warp=one_warp,
-        )
-        for one_warp in (True, False)
-    )  # fmt: skip
-    for a, b in zip(one, four, strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    want, _ = _reference(x["q"], x["k"], x["v"], spec=case.spec)
-    assert _err(one[0], want) < TOL[case.dtype]
+    _assert_forward_option_changes_nothing(case, 128, 3, "one_memory_warp")
 
 
 @pytest.mark.parametrize("name", list(MOSAIC_CASES))
