@@ -3,10 +3,10 @@
 CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows,
 batch), a head's tiles one after another (CTAs at work together share its keys and values in L2),
 causal tiles last rows first (they see the most keys). Causal from ``ONE_TILE_CAUSAL_KEYS`` keys
-the grid has one CTA a tile instead (its CTAs stay closer together along the keys). Each CTA runs three warpgroups: two compute
-warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup streams K and V
-blocks with TMA into a ring of shared memory slots (``num_stages`` deep), running on into the next
-tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
+the grid has one CTA a tile instead (its CTAs stay closer together along the keys). Each CTA runs
+three warpgroups: two compute warpgroups of 64 rows each and one memory warpgroup. The memory
+warpgroup streams K and V blocks with TMA into a ring of shared memory slots (``num_stages`` deep),
+running on into the next tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
 as soon as the last product has read the current one, and stage O in a buffer of its own where
 shared memory allows. Each compute warpgroup multiplies with ``wgmma`` (Q from shared memory, P from
 registers), runs the online softmax in registers, and marks each slot consumed so the ring
@@ -107,7 +107,7 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
 FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see heuristic)
-# Causal from this many keys the forward runs one CTA a tile, in clusters of two (see heuristic).
+# Causal from this many keys the forward runs one CTA a tile (the heuristic's in clusters of two).
 # The hardware's block scheduler keeps the CTAs at work on neighbouring tiles of one head, which
 # then read its keys and values from HBM about once; the persistent grid's CTAs drift apart along
 # the keys over their rounds and read them 4-5 times (ncu, H200: 1.22 GB against 0.40 GB at
