@@ -1,18 +1,18 @@
 """Flash attention forward in Pallas Mosaic GPU for Hopper (variant ``"mosaic"``).
 
-CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows,
-batch), a head's tiles one after another (CTAs at work together share its keys and values in L2),
-causal tiles last rows first (they see the most keys). Causal from ``ONE_TILE_CAUSAL_KEYS`` keys
-the grid has one CTA a tile instead (its CTAs stay closer together along the keys). Each CTA runs
-three warpgroups: two compute warpgroups of 64 rows each and one memory warpgroup. The memory
-warpgroup streams K and V blocks with TMA into a ring of shared memory slots (``num_stages`` deep),
-running on into the next tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load their next Q
-as soon as the last product has read the current one, and stage O in a buffer of its own where
-shared memory allows. Each compute warpgroup multiplies with ``wgmma`` (Q from shared memory, P from
-registers), runs the online softmax in registers, and marks each slot consumed so the ring
-refills. The two compute warpgroups take turns, so one's softmax runs while the other's products
-hold the tensor cores (ping-pong: on an H200 this took the forward from 199 to 246 TFLOP/s, and
-causal from 133 to 226, at 2x4096x16x128): each waits for its turn before its P V and passes the
+CTAs of the persistent grid of :mod:`._mosaic_grid` walk the tiles of (head, 128 query rows, batch),
+a head's tiles one after another (CTAs at work together share its keys and values in L2), causal
+tiles last rows first (they see the most keys). Causal from ``ONE_TILE_CAUSAL_KEYS`` keys the grid
+has one CTA a tile instead (its CTAs stay closer together along the keys). Each CTA runs three
+warpgroups: two compute warpgroups of 64 rows each and one memory warpgroup. The memory warpgroup
+streams K and V blocks with TMA into a ring of shared memory slots (``num_stages`` deep), running on
+into the next tile's blocks while the compute warpgroups finish a tile; the compute warpgroups load
+their next Q as soon as the last product has read the current one, and stage O in a buffer of its
+own where shared memory allows. Each compute warpgroup multiplies with ``wgmma`` (Q from shared
+memory, P from registers), runs the online softmax in registers, and marks each slot consumed so the
+ring refills. The two compute warpgroups take turns, so one's softmax runs while the other's
+products hold the tensor cores (ping-pong: on an H200 this took the forward from 199 to 246 TFLOP/s,
+and causal from 133 to 226, at 2x4096x16x128): each waits for its turn before its P V and passes the
 turn once its next S = Q K^T is issued, warpgroup 1 starting a turn behind. The turns go through
 hardware barriers, mostly 1-4% faster than mbarriers on an H100 and an H200 (0.94-1.04x over four
 runs of eight shapes; benchmarks/NOTES.md, eighteenth round).
