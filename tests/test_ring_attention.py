@@ -268,6 +268,20 @@ def test_sparing_sms_shrinks_persistent_grids_while_tracing():
             pass
 
 
+def test_sparing_sms_keeps_the_long_causal_forward_persistent():
+    """Causal from ONE_TILE_CAUSAL_KEYS keys the Mosaic forward runs one CTA a tile, which would
+    take the multiprocessors a ring step leaves to its transfer: there it keeps its persistent
+    grid."""
+    from ejkfn.attention import _mosaic_grid, _pallas_mosaic
+
+    keys = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
+    assert not _pallas_mosaic.default_persistent(True, keys)
+    with _mosaic_grid.sparing_sms(8):
+        assert _pallas_mosaic.default_persistent(True, keys)
+    with _mosaic_grid.sparing_sms(0):
+        assert not _pallas_mosaic.default_persistent(True, keys)
+
+
 def test_only_undifferentiated_rings_spare_multiprocessors(key, monkeypatch):
     """A forward nothing differentiates leaves ``TRANSFER_SMS`` to the ring's transfers (measured
     faster there); a differentiated one keeps every multiprocessor (measured slower otherwise)."""

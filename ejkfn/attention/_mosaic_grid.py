@@ -46,7 +46,8 @@ _SPARED_SMS = contextvars.ContextVar("spared_sms", default=0)
 
 @contextlib.contextmanager
 def sparing_sms(count: int) -> Iterator[None]:
-    """Persistent grids planned (traced) in here leave ``count`` multiprocessors free.
+    """Persistent grids planned (traced) in here leave ``count`` multiprocessors free (and kernels
+    that would take one CTA a tile keep a persistent grid: ``_pallas_mosaic.default_persistent``).
 
     A persistent kernel holds every multiprocessor until it ends, so a collective's kernel that
     XLA runs beside it (ring attention's transfers) waits for the end instead of overlapping it
@@ -60,6 +61,11 @@ def sparing_sms(count: int) -> Iterator[None]:
         _SPARED_SMS.reset(token)
 
 
+def spared_sms() -> int:
+    """Multiprocessors the grids being planned leave free (:func:`sparing_sms`)."""
+    return _SPARED_SMS.get()
+
+
 def resident_ctas(interpret: bool) -> int:
     """CTAs of a persistent grid: one per multiprocessor (a CTA's registers fill one), less those
     :func:`sparing_sms` leaves free (not in the interpreter, whose few CTAs stand for the rounds)."""
@@ -69,7 +75,7 @@ def resident_ctas(interpret: bool) -> int:
     sms = _HOPPER_SMS  # lowering ahead of time for a GPU not attached
     if device.platform == "gpu":
         sms = int(getattr(device, "core_count", 0) or _HOPPER_SMS)
-    return max(1, sms - _SPARED_SMS.get())
+    return max(1, sms - spared_sms())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,6 +83,7 @@ from ._mosaic_grid import (
     query_tile,
     query_tiles_work,
     resident_ctas,
+    spared_sms,
 )
 from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
@@ -499,8 +500,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
 
 def default_persistent(causal: bool, seq_k: int) -> bool:
     """Whether the forward takes the persistent grid: all but causal from ``ONE_TILE_CAUSAL_KEYS``
-    keys."""
-    return not (causal and seq_k >= ONE_TILE_CAUSAL_KEYS)
+    keys, and those too where SMs are being spared (``_mosaic_grid.sparing_sms``, ring attention's
+    transfers), which a grid of one CTA a tile would take."""
+    return not (causal and seq_k >= ONE_TILE_CAUSAL_KEYS) or spared_sms() > 0
 
 
 def _interpreting(interpret: bool | None) -> bool:
