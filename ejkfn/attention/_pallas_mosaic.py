@@ -498,11 +498,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         feed_ring(slots, my_tiles, items, fetch, (k_used, v_used), g.one_memory_warp)
 
 
+def _one_tile_grid(causal: bool, seq_k: int) -> bool:
+    """Whether the shape's forward runs one CTA a tile: causal from ``ONE_TILE_CAUSAL_KEYS`` keys."""
+    return causal and seq_k >= ONE_TILE_CAUSAL_KEYS
+
+
 def default_persistent(causal: bool, seq_k: int) -> bool:
-    """Whether the forward takes the persistent grid: all but causal from ``ONE_TILE_CAUSAL_KEYS``
-    keys, and those too where SMs are being spared (``_mosaic_grid.sparing_sms``, ring attention's
-    transfers), which a grid of one CTA a tile would take."""
-    return not (causal and seq_k >= ONE_TILE_CAUSAL_KEYS) or spared_sms() > 0
+    """Whether the forward takes the persistent grid: all but :func:`_one_tile_grid`'s shapes, and
+    those too where SMs are being spared (``_mosaic_grid.sparing_sms``, ring attention's transfers),
+    which a grid of one CTA a tile would take."""
+    return not _one_tile_grid(causal, seq_k) or spared_sms() > 0
 
 
 def _interpreting(interpret: bool | None) -> bool:
@@ -801,7 +806,7 @@ def _clustered(shape: AttentionShape) -> bool:
     """The forward in clusters of two CTAs: on its grid of one CTA a tile (causal from
     ``ONE_TILE_CAUSAL_KEYS`` keys), where clusters ran 1.01-1.02x single CTAs on an H200 and
     1.00-1.03x on an H100 (the files of ``ONE_TILE_CAUSAL_KEYS``)."""
-    return shape.seq_q > CTA_ROWS and not default_persistent(shape.spec.causal, shape.seq_k)
+    return shape.seq_q > CTA_ROWS and _one_tile_grid(shape.spec.causal, shape.seq_k)
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
@@ -837,7 +842,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
             ):
                 out.append((fp, heur[1]))
     if shape.seq_q > CTA_ROWS:  # the heuristic's blocks in clusters of two CTAs or not
-        other_rows = CTA_ROWS if _clustered(shape) else 2 * CTA_ROWS
+        other_rows = CTA_ROWS if heur[0].q_blocksize > CTA_ROWS else 2 * CTA_ROWS
         other = (dataclasses.replace(heur[0], q_blocksize=other_rows), heur[1])
         if other not in out:
             out.append(other)
