@@ -247,9 +247,7 @@ def implementations(
         impls[f"mosaic + {portable.variant}"] = jax.jit(fwd_bwd(ours(case.causal, portable, q, k)))
     if fused_cluster and fused:  # kv_blocksize 256: two CTAs of 128 keys, query blocks multicast
         clustered = dataclasses.replace(fused, kv_blocksize=_pallas_mosaic_bwd.CLUSTER_KEY_ROWS)
-        impls["mosaic + fused, clusters of 2"] = jax.jit(
-            fwd_bwd(ours(case.causal, clustered, q, k))
-        )
+        impls["mosaic + fused, clusters of 2"] = jax.jit(fwd_bwd(ours(case.causal, clustered, q, k)))
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))

@@ -1054,7 +1054,9 @@ def bwd(
         kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs))
         # Zeros from XLA, passed as a mutable ref: the kernel adds into it in place (an aliased
         # output).
-        dq_accs = jax.new_ref(jnp.zeros((g.dq_copies, batch, g.sqp, heads, g.dpad), jnp.float32))
+        dq_accs = jax.new_ref(
+            jnp.zeros((g.dq_copies, batch, g.sqp, heads, g.dpad), jnp.float32)
+        )
         dkdv_operands = (*operands, dq_accs)
     # A ring slot is refilled once every CTA it was multicast to has consumed it.
     consumed = (
