@@ -27,7 +27,6 @@ no timing), to check the script without a GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -116,7 +115,6 @@ def implementations(
     dkdv_bands: Sequence[int] = (),
     persistent_dkdv: bool = False,
     portable_bwd: bool = False,
-    fused_cluster: bool = False,
 ) -> dict[str, Any]:
     """name -> jitted (q, k, v) -> out, or with ``backward`` (q, k, v, do) -> (out, dq, dk, dv):
     cuDNN, and the Mosaic forward alone (the heuristic's blocks, then each of ``fwds``) or with
@@ -124,8 +122,7 @@ def implementations(
     user calls it (``platform="auto"``: the shipped config for this GPU and shape); with
     ``cudnn_bwd``, also the Mosaic forward with cuDNN's backward kernel on its residuals; with
     ``portable_bwd``, also with the Triton-lowering backward (its heuristic blocks), which the
-    heuristic takes only where no Mosaic backward takes the head dim; with ``fused_cluster``, also
-    the fused backward in clusters of two CTAs sharing each query block."""
+    heuristic takes only where no Mosaic backward takes the head dim."""
 
     def cudnn(q, k, v):
         impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
@@ -245,9 +242,6 @@ def implementations(
     if portable_bwd or heuristic not in (split, fused):  # the Triton-lowering backward
         portable = _pallas_gpu.heuristic(shape)[1]
         impls[f"mosaic + {portable.variant}"] = jax.jit(fwd_bwd(ours(case.causal, portable, q, k)))
-    if fused_cluster and fused:  # kv_blocksize 256: two CTAs of 128 keys, query blocks multicast
-        clustered = dataclasses.replace(fused, kv_blocksize=_pallas_mosaic_bwd.CLUSTER_KEY_ROWS)
-        impls["mosaic + fused, clusters of 2"] = jax.jit(fwd_bwd(ours(case.causal, clustered, q, k)))
     for name, bp in {"split": split, "fused": fused}.items():
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp):
             impls[f"mosaic + {name}"] = jax.jit(fwd_bwd(ours(case.causal, bp, q, k)))
@@ -316,7 +310,6 @@ def selected_implementations(
         [int(n) for n in args.dkdv_bands.split(",") if n],
         args.persistent_dkdv,
         args.portable_bwd,
-        args.fused_cluster,
     )
 
 
@@ -442,12 +435,6 @@ def main() -> int:
         "--persistent-dkdv",
         action="store_true",
         help="with --dkdv-bands, also those backwards with the dK/dV kernel on the persistent grid",
-    )
-    parser.add_argument(
-        "--fused-cluster",
-        action="store_true",
-        help="also the fused backward in clusters of two CTAs (kv_blocksize 256) that share each "
-        "query block copy (TMA multicast)",
     )
     parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")

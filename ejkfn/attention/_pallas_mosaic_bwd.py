@@ -111,9 +111,6 @@ WG_ROWS = 64  # rows of one wgmma (m = 64 per warpgroup)
 Q_TILE_WGS = 2  # compute warpgroups of the dQ kernel
 MAX_HEAD_DIM = 128
 BLOCKS = (64, 128)
-# The fused kernel's kv_blocksize for a cluster of two CTAs, 128 keys each, sharing each query block
-# copy (TMA multicast).
-CLUSTER_KEY_ROWS = 256
 # What our buffers may take of a CTA's shared memory, leaving room for what Mosaic adds (barriers,
 # reduction scratch).
 _SMEM_LIMIT = HOPPER_SMEM_BYTES - 4096
@@ -179,26 +176,18 @@ def _ring(num_stages: int, fits: Callable[[int], bool]) -> int:
     return 0
 
 
-def _cta_key_rows(params: BwdParams) -> tuple[int, int]:
-    """(key rows of one dK/dV CTA, CTAs in a cluster) that ``params.kv_blocksize`` asks for."""
-    if params.variant == FUSED_VARIANT and params.kv_blocksize == CLUSTER_KEY_ROWS:
-        return CLUSTER_KEY_ROWS // 2, 2
-    return params.kv_blocksize, 1
-
-
 def supports(head_dim: int, params: BwdParams) -> bool:
     """Whether ``params.variant``'s kernels fit shared memory (and registers) with rings of at least
     two slots."""
     d = _cdiv(head_dim, 64) * 64
     if d > MAX_HEAD_DIM:
         return False
-    key_rows, _ = _cta_key_rows(params)
-    if key_rows not in BLOCKS or params.q_blocksize not in BLOCKS:
+    if params.kv_blocksize not in BLOCKS or params.q_blocksize not in BLOCKS:
         return False
     if params.variant == FUSED_VARIANT:
-        if not _fused_shape_ok(d, params.q_blocksize, key_rows):
+        if not _fused_shape_ok(d, params.q_blocksize, params.kv_blocksize):
             return False
-        fits = functools.partial(_fused_smem_bytes, d, key_rows, params.q_blocksize)
+        fits = functools.partial(_fused_smem_bytes, d, params.kv_blocksize, params.q_blocksize)
         return bool(_ring(2, lambda s: fits(s) <= _SMEM_LIMIT))
     kv = _ring(
         2, lambda s: _dkdv_smem_bytes(d, params.kv_blocksize, params.q_blocksize, s) <= _SMEM_LIMIT
@@ -231,7 +220,6 @@ class _Geom:
     tma_reduce: bool = True  # the fused dQ goes out by TMA reduce-add (else read-modify-write)
     balanced: bool = True  # persistent grids' CTA counts chosen for their busiest CTA's work
     dkdv_band: int = 0  # (batch, kv head) pairs a band of dK/dV tiles (0: along_sequence[0] says)
-    cluster: int = 1  # fused dK/dV CTAs on neighbouring key tiles that share each query block copy
 
     @property
     def offset(self) -> int:
@@ -264,21 +252,8 @@ class _Geom:
         return not self.fused and self.dpad + 3 * self.bq // 2 <= 224
 
     @property
-    def dq_copies(self) -> int:
-        """The fused kernel's float32 dQ accumulators: one, which TMA reduce-adds into; in the
-        interpreter, whose read-modify-write is not atomic, one for each CTA of a cluster (they
-        run at once), summed after."""
-        return 1 if self.tma_reduce else self.cluster
-
-    @property
     def key_rows(self) -> int:
-        """Key rows of one dK/dV CTA."""
         return self.key_wgs * WG_ROWS
-
-    @property
-    def tile_rows(self) -> int:
-        """Key rows of one dK/dV tile: a CTA's, or a cluster's."""
-        return self.key_rows * self.cluster
 
     @property
     def q_blocks(self) -> int:
@@ -290,7 +265,7 @@ class _Geom:
 
     @property
     def skp(self) -> int:
-        tile = max(self.tile_rows, self.bk)
+        tile = max(self.key_rows, self.bk)
         return _cdiv(self.seq_k, tile) * tile
 
     @property
@@ -300,7 +275,7 @@ class _Geom:
     @property
     def key_tiles(self) -> int:
         """The dK/dV kernel's tiles along the keys of one kv head."""
-        return self.skp // self.tile_rows
+        return self.skp // self.key_rows
 
     @functools.cached_property
     def dkdv_rounds(self) -> Rounds:
@@ -323,7 +298,7 @@ class _Geom:
             index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
             self.dkdv_band,
         )  # fmt: skip
-        return (self.q_blocks - self.first_q_block(rank * self.tile_rows)) * self.group + 1.0
+        return (self.q_blocks - self.first_q_block(rank * self.key_rows)) * self.group + 1.0
 
     @functools.cached_property
     def dq_rounds(self) -> Rounds:
@@ -340,15 +315,14 @@ class _Geom:
         return Rounds.balanced(work, self.resident, True)
 
     def key_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
-        """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta`` (a
-        cluster's, where CTAs run in clusters); the first keys (which causal queries see most)
-        first."""
+        """(batch, kv head, first key row) of the dK/dV kernel's ``t``-th tile in ``cta``; the
+        first keys (which causal queries see most) first."""
         index = self.dkdv_rounds.index(cta, t)
         b, kvh, rank = split_index(
             index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
             self.dkdv_band,
         )  # fmt: skip
-        return b, kvh, rank * self.tile_rows
+        return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
         """(batch, head, first query row) of the dQ kernel's ``t``-th tile in ``cta``."""
@@ -442,8 +416,8 @@ def _spread(vector: Any, shape: tuple[int, int], axis: int) -> Any:
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> None:
-    # The fused kernel takes the float32 dQ accumulators as a further (aliased) input.
-    dq_accs = refs[0] if g.fused else None
+    # The fused kernel takes the float32 dQ accumulator as a further (aliased) input.
+    dq_acc = refs[0] if g.fused else None
     dk_ref, dv_ref, smem, ready, consumed = refs[1:] if g.fused else refs
     k_smem, v_smem, q_ring, do_ring, lse_ring, delta_ring, *extra = smem
     rest = iter(extra)
@@ -456,17 +430,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     # by both before dK overwrites it.
     ds_stored, dq_read, k_read = fused_barriers or (None, None, None)
     wg = lax.axis_index("wg")
-    cta = lax.axis_index("cta")  # the cluster's index on the grid, where CTAs run in clusters
-    rank = lax.axis_index("cluster") if g.cluster > 1 else 0  # this CTA's place in its cluster
+    cta = lax.axis_index("cta")
     my_tiles = g.dkdv_rounds.tiles_of(cta)
     bq, slots, dtype = g.bq, g.dkdv_slots, q_ref.dtype
     # The self-fed kernel's handshakes between its two warpgroups go through hardware barriers on
     # the GPU (mbarriers in the interpreter): 0-5% faster on an H100, 1-4% on an H200. With GQA's
     # memory warpgroup beside them they measured 5-8% slower, so the other kernels keep mbarriers
-    # (benchmarks/NOTES.md, eighteenth round). A cluster's ring slots are released on a cluster
-    # barrier: a multicast copy refills the slot in every CTA of the cluster.
+    # (benchmarks/NOTES.md, eighteenth round).
     hardware = g.self_fed and g.registers_a
-    hardware_ring = hardware and g.cluster == 1
     both = g.key_wgs * WARPGROUP_THREADS  # the compute warpgroups
 
     def signal_ds_stored(buf: Any) -> None:
@@ -482,29 +453,24 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_wait(ds_stored.at[buf])
 
     def release(slot: Any) -> None:
-        if not hardware_ring:
+        if not hardware:
             plgpu.barrier_arrive(consumed.at[slot])
         else:  # only warpgroup 0 waits, and it refills the slot after its own reads
             pl.when(wg == 1)(lambda: hardware_barrier("arrive", _RELEASED, both))
 
     def wait_released(slot: Any) -> None:
-        """(Warpgroup 0 of a self-fed kernel) until both warpgroups (of every CTA in the cluster)
-        have released ``slot``."""
-        if hardware_ring:
+        """(Warpgroup 0 of a self-fed kernel) until both warpgroups have released ``slot``."""
+        if hardware:
             hardware_barrier("sync", _RELEASED, both)
         else:
             plgpu.barrier_wait(consumed.at[slot])
 
     def tile(t: Any) -> tuple[Any, Any, Any, Any, Any]:
         """(batch, kv head, first key row, first query block, query blocks per head) of this
-        CTA's ``t``-th tile; its ring items are per head x the group's heads. A cluster's CTAs
-        stream the same blocks, from the first that its first keys see."""
-        b, kvh, cluster_base = g.key_tile(cta, t)
-        first = g.first_q_block(cluster_base)
-        return b, kvh, cluster_base + rank * g.key_rows, first, g.q_blocks - first
-
-    # In a cluster each CTA copies its share of a block and TMA multicasts it to all of them.
-    shared = dict(collective_axes="cluster") if g.cluster > 1 else {}
+        CTA's ``t``-th tile; its ring items are per head x the group's heads."""
+        b, kvh, tile_base = g.key_tile(cta, t)
+        first = g.first_q_block(tile_base)
+        return b, kvh, tile_base, first, g.q_blocks - first
 
     def copy_block(b: Any, h: Any, rows: Any, slot: Any) -> None:
         """A ring slot's four copies (Q, dO, lse and delta of head ``h``'s query ``rows``)."""
@@ -514,7 +480,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             (lse_ref.at[b, h, rows], lse_ring),
             (delta_ref.at[b, h, rows], delta_ring),
         ):
-            plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot], **shared)
+            plgpu.copy_gmem_to_smem(src, ring.at[slot], block_ready.at[slot])
 
     @pl.when(wg < g.key_wgs)
     def _compute() -> None:
@@ -636,7 +602,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     return dk, dv
                 dq = s_or_dq if g.registers_a else rest[0]
                 dq_own = dq_stage.at[wg]
-                dq_acc = dq_accs.at[rank if g.dq_copies > 1 else 0]
                 dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
                 if g.tma_reduce:
                     # The last reduce has read dq_own.
@@ -905,22 +870,13 @@ def _geom(
             f"the Mosaic GPU attention backward supports head dims up to {MAX_HEAD_DIM} (its "
             f"float32 dK and dV accumulators live in registers); got head_dim={head_dim}"
         )
-    fused = params.variant == FUSED_VARIANT
-    if params.q_blocksize not in BLOCKS:
-        raise ValueError(f"q_blocksize={params.q_blocksize} must be one of {BLOCKS}")
-    cta_keys, cluster = _cta_key_rows(params)
-    if cta_keys not in BLOCKS:
-        also = f" (the fused backward also {CLUSTER_KEY_ROWS}: a cluster of two CTAs)"
-        raise ValueError(f"kv_blocksize={params.kv_blocksize} must be one of {BLOCKS}{also}")
-    if cluster > 1 and persistent is not None and persistent[0]:
-        raise NotImplementedError(
-            f"the fused Mosaic GPU attention backward in clusters (kv_blocksize="
-            f"{CLUSTER_KEY_ROWS}) runs one cluster a tile, not the persistent grid: got "
-            f"{persistent=}"
-        )
+    for name in ("q_blocksize", "kv_blocksize"):
+        if getattr(params, name) not in BLOCKS:
+            raise ValueError(f"{name}={getattr(params, name)} must be one of {BLOCKS}")
     # Short sequences take smaller blocks rather than padding to a whole large one.
     bq = min(params.q_blocksize, _cdiv(seq_q, 64) * 64)
-    key_rows = min(cta_keys, _cdiv(seq_k, 64) * 64)
+    key_rows = min(params.kv_blocksize, _cdiv(seq_k, 64) * 64)
+    fused = params.variant == FUSED_VARIANT
     if fused and not _fused_shape_ok(dpad, bq, key_rows):
         raise NotImplementedError(
             f"the fused Mosaic GPU attention backward takes head dims padded to "
@@ -969,7 +925,6 @@ def _geom(
         tma_reduce=not interpret,
         balanced=balanced,
         dkdv_band=dkdv_band or 0,
-        cluster=cluster,
     )
 
 
@@ -1054,29 +1009,21 @@ def bwd(
         kv_ready.append(plgpu.Barrier(num_arrivals=g.key_wgs))
         # Zeros from XLA, passed as a mutable ref: the kernel adds into it in place (an aliased
         # output).
-        dq_accs = jax.new_ref(
-            jnp.zeros((g.dq_copies, batch, g.sqp, heads, g.dpad), jnp.float32)
-        )
-        dkdv_operands = (*operands, dq_accs)
-    # A ring slot is refilled once every CTA it was multicast to has consumed it.
-    consumed = (
-        plgpu.ClusterBarrier(
-            collective_axes=("cluster",), num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots
-        )
-        if g.cluster > 1
-        else plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots)
-    )
-    clustered = dict(cluster=(g.cluster,), cluster_names=("cluster",)) if g.cluster > 1 else {}
+        dq_acc = jax.new_ref(jnp.zeros((batch, g.sqp, heads, g.dpad), jnp.float32))
+        dkdv_operands = (*operands, dq_acc)
     dk, dv = plgpu.kernel(
         functools.partial(_dkdv_kernel, g=g),
         out_type=(
             jax.ShapeDtypeStruct(kp.shape, dtype),
             jax.ShapeDtypeStruct(vp.shape, dtype),
         ),
-        scratch_types=(tuple(kv_smem), tuple(kv_ready), consumed),
+        scratch_types=(
+            tuple(kv_smem),
+            tuple(kv_ready),
+            plgpu.Barrier(num_arrivals=g.key_wgs, num_barriers=g.dkdv_slots),
+        ),
         grid=(g.dkdv_rounds.ctas,),
         grid_names=("cta",),
-        **clustered,
         num_threads=g.key_wgs + (0 if g.self_fed else 1),
         thread_name="wg",
         compiler_params=compiler_params,
@@ -1085,8 +1032,7 @@ def bwd(
     dk = dk[:, :seq_k, :, :head_dim].astype(k.dtype)
     dv = dv[:, :seq_k, :, :head_dim].astype(v.dtype)
     if g.fused:
-        accs = jax.freeze(dq_accs)
-        acc = accs[0] if g.dq_copies == 1 else accs.sum(axis=0)
+        acc = jax.freeze(dq_acc)
         return (acc[:, :seq_q, :, :head_dim] * g.scale).astype(dtype), dk, dv
 
     q_smem = [
