@@ -157,7 +157,7 @@ def implementations(
             impls["auto"] = jax.jit(selected)
 
         def blocks_name(fp: FwdParams) -> str:
-            cluster = " cluster of 2" if fp.q_blocksize > 128 else ""
+            cluster = " cluster of 2" if fp.q_blocksize > _pallas_mosaic.CTA_ROWS else ""
             return f"mosaic {fp.kv_blocksize}x{fp.num_stages}{cluster}"
 
         for fp in fwds:
@@ -313,11 +313,19 @@ def selected_implementations(
     )
 
 
+PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}  # --backward: with backward?
+
+
+def passes(args: argparse.Namespace) -> tuple[bool, ...]:
+    """Which passes ``--backward`` asks for: forward (False), forward+backward (True)."""
+    return PASSES[args.backward]
+
+
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
-    for backward in {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward]:
+    for backward in passes(args):
         impls = selected_implementations(case, backward, args)
         for row in check_then_time(
             case,
@@ -349,7 +357,7 @@ def profile(cases: list[Case], args: argparse.Namespace) -> None:
     implementation's name goes to stdout before its calls, to match the profiler's kernels."""
     for case in cases:
         data = inputs(case, 0)
-        for backward in {"yes": (False, True), "no": (False,), "only": (True,)}[args.backward]:
+        for backward in passes(args):
             for name, fn in selected_implementations(case, backward, args).items():
                 print(f"profile: {case.name} {'fwd+bwd' if backward else 'fwd'} {name}", flush=True)
                 for _ in range(2):
@@ -371,7 +379,7 @@ def main() -> int:
         "--fwd-blocks", default="", help="further forwards to time: KEYSxSLOTS,... e.g. 192x2"
     )
     parser.add_argument(
-        "--backward", choices=("yes", "no", "only"), default="yes", help="only: forward+backward"
+        "--backward", choices=tuple(PASSES), default="yes", help="only: forward+backward"
     )
     parser.add_argument(
         "--other-grid",
