@@ -655,7 +655,8 @@ def test_mosaic_backward_cases_cover_both_dv_orders():
 # The fused backward (each warpgroup adds its half of every dQ block into a float32 accumulator; in
 # the interpreter by read-modify-write, on the GPU by TMA reduce-add): both halves over both
 # warpgroups' keys, several key tiles and GQA heads adding into one accumulator, causal blocks one
-# warpgroup cannot see, ragged tails. Its one shape: head dim padded to 128, 64 x 128 blocks.
+# warpgroup cannot see, ragged tails. Its shapes: 128 keys by 64 query rows at head dim 128 (padded),
+# by 128 at 64.
 MOSAIC_FUSED_CASES = {
     "causal_gqa_ragged": (
         Case(seq_q=200, seq_k=200, heads=4, kv_heads=2, dim=128, dtype=jnp.bfloat16, causal=True),
@@ -679,6 +680,20 @@ MOSAIC_FUSED_CASES = {
         Case(batch=2, seq_q=136, seq_k=200, dim=128, dtype=jnp.bfloat16),
         _fused_bwd(64, 128),
     ),
+    # Head dims up to 64: 128-row query blocks in two parts, each warpgroup adding the dQ of its
+    # 64 query rows.
+    "d64_causal_ragged": (
+        Case(seq_q=200, seq_k=200, heads=2, kv_heads=2, dim=64, dtype=jnp.bfloat16, causal=True),
+        _fused_bwd(128, 128),
+    ),
+    "d40_gqa_k_longer": (  # padded head dim, a memory warpgroup, a partial last query block
+        Case(seq_q=136, seq_k=256, heads=4, kv_heads=2, dim=40, dtype=jnp.float16, causal=True),
+        _fused_bwd(128, 128),
+    ),
+    "d64_q_longer": (
+        Case(batch=2, seq_q=190, seq_k=100, dim=64, dtype=jnp.bfloat16),
+        _fused_bwd(128, 128),
+    ),
 }
 
 
@@ -698,6 +713,9 @@ def test_mosaic_fused_backward_feeds_itself_only_without_gqa():
         "causal_q_longer_d80": True,
         "causal_k_longer_batch2_d96": True,
         "self_fed_ragged_batch2": True,
+        "d64_causal_ragged": True,
+        "d40_gqa_k_longer": False,
+        "d64_q_longer": True,
     }
 
 
@@ -1042,37 +1060,43 @@ def test_mosaic_backward_choice():
 
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
-        assert bp.variant == "mosaic"  # GQA: the split one
+        # GQA: the split one, but the fused one from 4096 keys at head dim 64
+        assert bp.variant == ("mosaic_fused" if d == 64 else "mosaic")
+        short = dataclasses.replace(shape(d), seq_q=2048, seq_k=2048)
+        assert _pallas_mosaic.heuristic(short)[1].variant == "mosaic"
         long = dataclasses.replace(shape(d), seq_q=16384, seq_k=16384)
-        assert _pallas_mosaic.heuristic(long)[1].variant == "mosaic"
+        assert _pallas_mosaic.heuristic(long)[1].variant == (
+            "mosaic_fused" if d == 64 else "mosaic"
+        )
         for seq, fused_leads in ((2048, False), (4096, True), (16384, True)):
             no_gqa = dataclasses.replace(shape(d), seq_q=seq, seq_k=seq, kv_heads=16)
             assert _pallas_mosaic.heuristic(no_gqa)[1].variant == (
-                "mosaic_fused" if d > 64 and fused_leads else "mosaic"
+                "mosaic_fused" if fused_leads else "mosaic"
             )
         full = dataclasses.replace(shape(d), spec=AttentionSpec(scale=0.1))
         fused_heuristic = _pallas_mosaic.heuristic(full)[1]
-        assert fused_heuristic.variant == ("mosaic_fused" if d > 64 else "mosaic")
+        assert fused_heuristic.variant == "mosaic_fused"
         assert _pallas_mosaic_bwd.supports(d, fused_heuristic)
         cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
-        fused = {"mosaic_fused"} if d > 64 else set()  # its one head dim: 128 after padding
         # and the Triton-lowering backward's, its mirrored blocks among them
-        assert {bp.variant for bp in cands} == {"mosaic", None, MIRRORED} | fused
+        assert {bp.variant for bp in cands} == {"mosaic", "mosaic_fused", None, MIRRORED}
 
         def blocks(variant, cands=cands):
             return {(bp.kv_blocksize, bp.num_stages) for bp in cands if bp.variant == variant}
 
         assert blocks("mosaic") == {(64, 2), (64, 3), (128, 2), (128, 3)}
-        assert blocks("mosaic_fused") == ({(128, 2)} if fused else set())
+        assert blocks("mosaic_fused") == {(128, 2)}
         for bp in cands:
-            if bp.variant == "mosaic_fused":
-                assert bp.q_blocksize == 64
+            if bp.variant == "mosaic_fused":  # 64 query rows at head dim 128 (96 padded), 128 at 64
+                assert bp.q_blocksize == (128 if d == 64 else 64)
     # above head dim 128 no Mosaic backward: the Triton-lowering one
     assert _pallas_mosaic.heuristic(shape(256))[1] == _pallas_gpu.heuristic(shape(256))[1]
     assert all(bp.variant in (None, MIRRORED) for _, bp in _pallas_mosaic.candidates(shape(256)))
     short = dataclasses.replace(shape(64), seq_q=40, seq_k=40)
     own = [bp for _, bp in _pallas_mosaic.candidates(short) if bp.variant == "mosaic"]
     assert own and all(bp.kv_blocksize == 64 for bp in own)
+    # no whole 128-row block of queries or keys: no fused backward
+    assert all(bp.variant != "mosaic_fused" for _, bp in _pallas_mosaic.candidates(short))
 
 
 def test_mosaic_backward_refuses():
@@ -1091,7 +1115,7 @@ def test_mosaic_backward_refuses():
     bwd(BwdParams(q_blocksize=16, kv_blocksize=32, variant=MIRRORED))  # and its mirrored dQ
     with pytest.raises(ValueError, match="variant"):
         bwd(BwdParams(variant="cuda"))
-    # The fused backward's one shape: head dim padded to 128, 64 query by 128 key rows.
+    # The fused backward's shapes: 128 key rows by 64 query rows at head dim 128 (padded), 128 at 64.
     for dim, fused_blocks, match in (
         (128, (128, 128), "q_blocksize=128"),
         (128, (64, 64), "kv_blocksize=64"),
@@ -1142,7 +1166,7 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     shape = AttentionShape.of(x["q"], x["k"], case.spec)
     bwds = [bp for _, bp in _pallas_mosaic.candidates(shape) if bp.variant == "mosaic_fused"]
-    assert len(bwds) == (1 if case.dim == 128 else 0)
+    assert len(bwds) == 1
     mesh = AbstractMesh((1,), ("x",), abstract_device=H100)
     for bp in bwds:
         b = functools.partial(_pallas_mosaic.bwd, spec=case.spec, params=bp, interpret=False)

@@ -35,12 +35,13 @@ the kernel (pipeline, barriers, masking, bounds) being the code that runs on the
 Four backward passes take the natural-log ``lse`` this forward writes, chosen by
 ``BwdParams.variant``: ``"mosaic"``, the Mosaic GPU kernels of :mod:`._pallas_mosaic_bwd`
 (FlashAttention 3's split, head dims up to 128); ``"mosaic_fused"``, its dK/dV kernel adding dQ
-into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims 65-128); ``"cudnn"``,
+into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims up to 128); ``"cudnn"``,
 cuDNN's backward kernel fed this forward's output and ``lse`` (:func:`._cudnn.residual_bwd`; a CUDA
 GPU, ``seq_q == seq_k`` where causal); or ``None``, the Triton-lowering kernels of
 :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The heuristic takes
-``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 16k keys or more
-without GQA (faster there on an H200), else ``"mosaic"`` where it can; the tuner tries them all.
+``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 4096 keys or more
+(at head dims above 64 without GQA; faster there on an H200), else ``"mosaic"`` where it can; the
+tuner tries them all.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -764,8 +765,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles (causal from ``ONE_TILE_CAUSAL_KEYS`` keys, 256 in clusters of two CTAs,
     one cluster a tile); the largest key block and ring that fit shared memory; the Mosaic
     backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
-    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more without GQA, else the split one,
-    and the Triton-lowering one above head dim 128.
+    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more (at head dims above 64 without GQA),
+    else the split one, and the Triton-lowering one above head dim 128.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
@@ -781,6 +782,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     on an H100, 0.96-0.98x at 4x2048 (results/bwd_orders_NVIDIA_H200_20261123-092530.json,
     -093257.json, bwd_orders_NVIDIA_H100_80GB_HBM3_20261123-092946.json,
     mosaic_variants_NVIDIA_H200_20261123-092040.json).
+
+    At head dim 64 the fused backward (128-row query blocks) ran forward+backward 1.07 / 1.09 /
+    1.07x the split one without a mask at 8x2048x32x64, 2x8192x32x64 and 4x4096x32x64, 1.04-1.06x
+    with 8 kv heads at the first two; causal 1.04-1.05x from 4096 keys (with GQA too) and 0.98x at
+    2048 (results/mosaic_variants_NVIDIA_H200_20261128-022354.json, -022539.json).
 
     Causal at head dim 64 without GQA the Triton-lowering backward had led the split one by
     1.02-1.10x, until the split's dK/dV kernel went persistent there (benchmarks/NOTES.md,
@@ -798,7 +804,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if split is None:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
-    fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and shape.heads == shape.kv_heads
+    # With GQA at head dim 128 a memory warpgroup takes registers the fused kernel lacks there.
+    fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and (d <= 64 or shape.heads == shape.kv_heads)
     return fp, fused if fused and (not shape.spec.causal or fused_causal) else split
 
 
@@ -810,14 +817,18 @@ def _clustered(shape: AttentionShape) -> bool:
 
 
 def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
-    """The fused backward's one block shape (64 query by 128 key rows, two stages), or None where
-    it cannot take the shape (head dims 65-128, a whole 128-key block)."""
+    """The fused backward's block shape for the head dim (128 key rows; 64 query rows at head dims
+    65-128, 128 at up to 64; two stages), or None where it cannot take the shape (a whole block of
+    each)."""
+    q_rows = _pallas_mosaic_bwd.FUSED_Q_ROWS.get(_padded_head_dim(shape.head_dim))
+    if q_rows is None:
+        return None
     fused = dataclasses.replace(
-        split, q_blocksize=64, kv_blocksize=128, num_stages=2,
+        split, q_blocksize=q_rows, kv_blocksize=128, num_stages=2,
         variant=_pallas_mosaic_bwd.FUSED_VARIANT,
     )  # fmt: skip
-    seq_k = max(64, -(-shape.seq_k // 64) * 64)
-    return fused if 128 <= seq_k and _pallas_mosaic_bwd.supports(shape.head_dim, fused) else None
+    whole = shape.seq_q > q_rows - 64 and shape.seq_k > 64
+    return fused if whole and _pallas_mosaic_bwd.supports(shape.head_dim, fused) else None
 
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
@@ -825,7 +836,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     CTAs (256 query rows; on an H200 0.97-1.00x one CTA a tile without a mask and 0.96-0.98x causal
     at D = 128: results/mosaic_variants_NVIDIA_H200_20261121-211951.json); backward: Mosaic blocks
     (64 or 128 key rows per CTA, 2 or 3 stages) where the head dim allows, the fused Mosaic backward
-    (dQ by TMA reduce-add; 64 query by 128 key rows, 2 stages, head dims 65-128), cuDNN's backward
+    (dQ by TMA reduce-add; 128 key rows by 64 query rows at head dims 65-128 or 128 up to 64, 2
+    stages), cuDNN's backward
     on this forward's residuals where cuDNN runs (on an H200 1.00-1.04x cuDNN's forward+backward:
     results/mosaic_variants_NVIDIA_H200_20261122-223652.json), and the Triton-lowering candidates."""
     d = _padded_head_dim(shape.head_dim)

@@ -21,10 +21,11 @@ epilogue). By default the dQ kernel is persistent except causal at head dims abo
 measured 0.95-0.97x, and the dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly above
 1.00x; at 128 0.83-0.98x).
 
-``"mosaic_fused"`` runs the dK/dV kernel alone (head dims padded to 128, 64 query rows by 128 keys):
-both warpgroups store their dS^T to a shared, double-buffered tile and meet on a barrier; each then
-issues dV += P^T dO, dK += dS^T Q and its own 64-column half of the block's dQ = dS K (over all 128
-keys) together, and adds that float32 half into a dQ accumulator in global memory with a TMA
+``"mosaic_fused"`` runs the dK/dV kernel alone (128 keys; head dims padded to 128 with 64 query rows a
+block, or to 64 with 128): both warpgroups store their dS^T to a shared, double-buffered tile and
+meet on a barrier; each then issues dV += P^T dO, dK += dS^T Q and its own 64 x 64 part of the
+block's dQ = dS K (over all 128 keys; at head dim 128 a half of the columns, at 64 a half of the
+rows) together, and adds that float32 part into a dQ accumulator in global memory with a TMA
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
 it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal (see
@@ -54,7 +55,7 @@ for them.
 On a CPU the kernels run in Mosaic GPU's interpreter, which takes wgmma operands only from shared
 memory and no accumulators through ``pl.run_state``: there P^T, dS^T and dS are stored to shared
 memory and each product is added to its accumulator in registers (``_Geom.registers_a`` off). It has
-no TMA reduce either: there the fused kernel reads, adds and writes back its dQ half
+no TMA reduce either: there the fused kernel reads, adds and writes back its dQ part
 (``_Geom.tma_reduce`` off). The rest (ring, barriers, masking, bounds) is the code that runs
 on the GPU.
 """
@@ -116,7 +117,10 @@ BLOCKS = (64, 128)
 _SMEM_LIMIT = HOPPER_SMEM_BYTES - 4096
 _TILED = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 _TILED_F32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-FUSED_HEAD_DIM = 128  # the fused kernel splits dQ blocks into two 64-column halves
+# The fused kernel's query rows a block, by padded head dim: its two warpgroups share each dQ block
+# by columns at 128 (64-row blocks), by rows at 64 (128-row blocks: each block pair then has the
+# products and the exchange of one at head dim 128, not half of them).
+FUSED_Q_ROWS = {128: WG_ROWS, 64: 2 * WG_ROWS}
 _MEMORY_REGISTERS = 24  # the memory warpgroup only issues copies
 # The self-fed kernel's hardware barriers: a dS^T half stored (one per buffer and waiting
 # warpgroup: a warpgroup a block ahead must not complete the neighbour's barrier on its own), a ring
@@ -151,15 +155,16 @@ def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
 
 
 def _fused_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
-    """The dK/dV kernel's, the tile's dS^T (16-bit) twice over, and per warpgroup its float32 half of
+    """The dK/dV kernel's, the tile's dS^T (16-bit) twice over, and per warpgroup its float32 part of
     a dQ block on its way out."""
     return _dkdv_smem_bytes(d, key_rows, bq, slots) + 2 * key_rows * bq * 2 + bq * d * 4
 
 
 def _fused_shape_ok(d: int, bq: int, key_rows: int) -> bool:
-    """The fused kernel's one shape: two warpgroups of keys, each taking a 64 x 64 float32 half of
-    a 64 x 128 dQ block (beside dK and dV: 160 accumulator registers a thread)."""
-    return (d, bq, key_rows) == (FUSED_HEAD_DIM, WG_ROWS, 2 * WG_ROWS)
+    """The fused kernel's shapes: two warpgroups of 64 keys, and query blocks of ``FUSED_Q_ROWS``
+    for the head dim, so that each warpgroup's part of a dQ block is 64 x 64 float32 (beside dK and
+    dV: 160 accumulator registers a thread at head dim 128, 96 at 64)."""
+    return key_rows == 2 * WG_ROWS and FUSED_Q_ROWS.get(d) == bq
 
 
 def _dq_smem_bytes(d: int, bk: int, slots: int) -> int:
@@ -250,6 +255,26 @@ class _Geom:
         fused kernel, whose dQ product takes 32 registers more, ran 0.88-0.93x instead of 0.94-1.00x
         (H200, benchmarks/NOTES.md, fourteenth round). Both issue dV with dK there."""
         return not self.fused and self.dpad + 3 * self.bq // 2 <= 224
+
+    @property
+    def parts(self) -> int:
+        """The fused kernel forms a block's S^T and dP^T in parts of 64 query columns, so that a
+        128-row block holds no more registers at once than a 64-row one (its later parts' products
+        run beside the earlier parts' elementwise work)."""
+        return self.bq // WG_ROWS if self.fused else 1
+
+    @property
+    def dq_by_rows(self) -> bool:
+        """Whether the fused kernel's warpgroups share a dQ block by query rows (128-row blocks),
+        not by head-dim columns."""
+        return self.bq > WG_ROWS
+
+    @property
+    def dq_part(self) -> tuple[int, int]:
+        """(rows, columns) of a fused warpgroup's part of a dQ block."""
+        if self.dq_by_rows:
+            return WG_ROWS, self.dpad
+        return self.bq, self.dpad // 2
 
     @property
     def key_rows(self) -> int:
@@ -521,30 +546,107 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             plgpu.barrier_wait(k_ready.at[wg])
             plgpu.barrier_wait(v_ready.at[wg])
             shape = (WG_ROWS, bq)
+            part_shape = (WG_ROWS, bq // g.parts)
 
-            def scaled(s_t: Any, qb: Any, masked: bool) -> Any:
+            def scaled(s_t: Any, qb: Any, masked: bool, part: int = 0) -> Any:
                 s_t = s_t * (g.scale * LOG2E)
                 if masked:
-                    key = _iota(shape, 0) + key_base
-                    row = _iota(shape, 1) + qb * bq
+                    key = _iota(s_t.shape, 0) + key_base
+                    row = _iota(s_t.shape, 1) + (qb * bq + part * part_shape[1])
                     s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
                 return s_t
 
-            def row_vector(ring: Any, slot: Any) -> Any:
-                return plgpu.load(ring.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            def part_of(block: Any, part: int) -> Any:
+                """Query rows ``part`` of a ring slot's block (the whole block in one part)."""
+                if g.parts == 1:
+                    return block
+                return block.at[pl.ds(part * part_shape[1], part_shape[1])]
+
+            def row_vector(ring: Any, slot: Any, part: int = 0) -> Any:
+                return plgpu.load(part_of(ring.at[slot], part), layout=plgpu.Layout.WGMMA.reduce(0))
+
+            def split_block(
+                refs: Any, q_blk: Any, do_blk: Any, slot: Any, qb: Any, masked: bool
+            ) -> None:
+                dv_ref, dk_ref, s_ref, dp_ref = refs
+                plgpu.wgmma(s_ref, k_own, q_blk.transpose((1, 0)))
+                plgpu.wgmma(dp_ref, v_own, do_blk.transpose((1, 0)))
+                lse = row_vector(lse_ring, slot)
+                s_t = scaled(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, masked)
+                p_t = jnp.exp2(s_t - _spread(lse, shape, 1))  # queries along columns
+                p_stage_own = None if g.registers_a else p_stage.at[wg, 0]
+
+                def dv_product() -> None:
+                    plgpu.wgmma(dv_ref, _operand(g, p_t.astype(dtype), p_stage_own), do_blk)
+
+                if g.early_dv:
+                    dv_product()
+                delta = row_vector(delta_ring, slot)
+                dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=int(g.early_dv))
+                ds_t = (p_t * (dp_t - _spread(delta, shape, 1))).astype(dtype)
+                if not g.early_dv:
+                    dv_product()
+                ds_stage_own = None if g.registers_a else ds_stage.at[wg, 0]
+                plgpu.wgmma(dk_ref, _operand(g, ds_t, ds_stage_own), q_blk)
+
+            def fused_block(
+                refs: Any, q_blk: Any, do_blk: Any, slot: Any, qb: Any, masked: bool, buf: Any
+            ) -> None:
+                # Each part's S^T and dP^T issued together, parts in order, so a part's elementwise
+                # work runs beside the next part's products. Its dS^T goes to shared memory (dK's
+                # operand there, where it is anyway: fewer registers in flight; P^T from there too
+                # measured slower and spilled more), then both warpgroups meet for dQ.
+                dv_ref, dk_ref, *accs = refs
+                s_refs, dp_refs = accs[: g.parts], accs[g.parts : 2 * g.parts]
+                for part in range(g.parts):
+                    plgpu.wgmma(s_refs[part], k_own, part_of(q_blk, part).transpose((1, 0)))
+                    plgpu.wgmma(dp_refs[part], v_own, part_of(do_blk, part).transpose((1, 0)))
+                p_t = []
+                for part in range(g.parts):
+                    later = 2 * (g.parts - 1 - part)  # the later parts' products, still in flight
+                    lse = row_vector(lse_ring, slot, part)
+                    s_t = plgpu.wgmma_accumulator_load(s_refs[part], wait_n=later + 1)
+                    p = jnp.exp2(scaled(s_t, qb, masked, part) - _spread(lse, part_shape, 1))
+                    delta = row_vector(delta_ring, slot, part)
+                    dp_t = plgpu.wgmma_accumulator_load(dp_refs[part], wait_n=later)
+                    ds_t = p * (dp_t - _spread(delta, part_shape, 1))
+                    ds_stage.at[buf, wg, part][...] = ds_t.astype(dtype)
+                    # The last part's P^T is cast where its product is issued; earlier ones now,
+                    # which frees their float32 registers for the next part.
+                    p_t.append(p if part == g.parts - 1 else p.astype(dtype))
+                plgpu.commit_smem()
+                signal_ds_stored(buf)
+                for part in range(g.parts):
+                    staging = None if g.registers_a else p_stage.at[wg, part]
+                    p16 = p_t[part].astype(dtype)
+                    plgpu.wgmma(dv_ref, _operand(g, p16, staging), part_of(do_blk, part))
+                for part in range(g.parts):
+                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg, part], part_of(q_blk, part))
+                if g.registers_a:  # part 0's S^T registers take dQ: S^T is spent
+                    s_refs[0][...] = _acc(*g.dq_part)
+                    dq_ref = s_refs[0]
+                else:  # the interpreter stores no accumulators: its own zeroed one
+                    dq_ref = accs[-1]
+                wait_ds_stored(buf)  # the other warpgroup's dS^T is stored
+                for w in range(g.key_wgs):
+                    if g.dq_by_rows:  # this warpgroup's query rows, every column
+                        ds, k_cols = ds_stage.at[buf, w, wg], k_smem.at[w]
+                    else:  # every query row, this warpgroup's columns
+                        ds = ds_stage.at[buf, w, 0]
+                        k_cols = k_smem.at[w].at[:, pl.ds(wg * g.dq_part[1], g.dq_part[1])]
+                    plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_cols)
 
             def step(qb: Any, carry: Any, base: Any, h: Any, masked: bool) -> Any:
                 # FlashAttention 3's order within a block: S^T = K Q^T and dP^T = V dO^T issued
                 # together, P^T formed while dP^T is still on the tensor cores, dV += P^T dO issued
                 # before dS^T is formed where registers allow (_Geom.early_dv), dK += dS^T Q after
-                # it. The fused kernel then adds this warpgroup's half of the block's dQ = dS K (its
-                # head-dim columns, over both warpgroups' keys: dS^T goes through shared memory)
-                # and sends it out by TMA reduce-add.
+                # it. The fused kernel then adds this warpgroup's part of the block's dQ = dS K
+                # (over both warpgroups' keys: dS^T goes through shared memory) and sends it out by
+                # TMA reduce-add.
                 dk, dv = carry
                 t = base + qb
                 slot, buf = lax.rem(t, jnp.int32(slots)), lax.rem(t, jnp.int32(2))
                 q_blk, do_blk = q_ring.at[slot], do_ring.at[slot]
-                cols = pl.ds(wg * (g.dpad // 2), g.dpad // 2)
                 if g.self_fed:
                     # Once both warpgroups have released the previous block (the kernel's start
                     # counts as one), its slot takes the block slots - 1 ahead: a block's lead, as
@@ -553,56 +655,29 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     pl.when(wg == 0)(lambda: wait_released(lax.rem(t + (slots - 1), slots)))
                     issue(t + (slots - 1))
                 plgpu.barrier_wait(block_ready.at[slot])
-
-                def block(refs: Any) -> None:
-                    dv_ref, dk_ref, s_ref, dp_ref, *spare = refs
-                    plgpu.wgmma(s_ref, k_own, q_blk.transpose((1, 0)))
-                    plgpu.wgmma(dp_ref, v_own, do_blk.transpose((1, 0)))
-                    lse = row_vector(lse_ring, slot)
-                    s_t = scaled(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, masked)
-                    p_t = jnp.exp2(s_t - _spread(lse, shape, 1))  # queries along columns
-                    p_stage_own = None if g.registers_a else p_stage.at[wg]
-
-                    def dv_product() -> None:
-                        plgpu.wgmma(dv_ref, _operand(g, p_t.astype(dtype), p_stage_own), do_blk)
-
-                    if g.early_dv:
-                        dv_product()
-                    delta = row_vector(delta_ring, slot)
-                    dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=int(g.early_dv))
-                    ds_t = (p_t * (dp_t - _spread(delta, shape, 1))).astype(dtype)
-                    if not g.fused:
-                        if not g.early_dv:
-                            dv_product()
-                        ds_stage_own = None if g.registers_a else ds_stage.at[wg]
-                        plgpu.wgmma(dk_ref, _operand(g, ds_t, ds_stage_own), q_blk)
-                        return
-                    # dK's dS^T from shared memory, where it is anyway: fewer registers held in
-                    # flight (P^T from there too measured slower and spilled more).
-                    ds_stage.at[buf, wg][...] = ds_t
-                    plgpu.commit_smem()
-                    signal_ds_stored(buf)
-                    if not g.early_dv:
-                        dv_product()
-                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg], q_blk)
-                    if g.registers_a:  # S^T's registers take dQ: S^T is spent
-                        s_ref[...] = _acc(bq, g.dpad // 2)
-                        dq_ref = s_ref
-                    else:  # the interpreter stores no accumulators: its own zeroed one
-                        (dq_ref,) = spare
-                    wait_ds_stored(buf)  # the other half of dS^T is stored
-                    for w in range(g.key_wgs):
-                        ds = ds_stage.at[buf, w].transpose((1, 0))
-                        plgpu.wgmma(dq_ref, ds, k_smem.at[w].at[:, cols])
-
-                spare = () if g.registers_a or not g.fused else ((bq, g.dpad // 2),)
-                dv, dk, s_or_dq, _, *rest = _pipelined(g, block, (dv, dk), (shape, shape, *spare))
-                release(slot)
                 if not g.fused:
+                    block = functools.partial(
+                        split_block, q_blk=q_blk, do_blk=do_blk, slot=slot, qb=qb, masked=masked
+                    )
+                    dv, dk, *_ = _pipelined(g, block, (dv, dk), (shape, shape))
+                    release(slot)
                     return dk, dv
-                dq = s_or_dq if g.registers_a else rest[0]
+                block = functools.partial(
+                    fused_block, q_blk=q_blk, do_blk=do_blk, slot=slot, qb=qb, masked=masked,
+                    buf=buf,
+                )  # fmt: skip
+                spare = () if g.registers_a else (g.dq_part,)
+                fresh = (part_shape,) * (2 * g.parts) + spare
+                dv, dk, *accs = _pipelined(g, block, (dv, dk), fresh)
+                release(slot)
+                dq = accs[0] if g.registers_a else accs[-1]
                 dq_own = dq_stage.at[wg]
-                dst = dq_acc.at[b, pl.ds(qb * bq, bq), h, cols]
+                if g.dq_by_rows:
+                    dst = dq_acc.at[b, pl.ds(qb * bq + wg * WG_ROWS, WG_ROWS), h]
+                else:
+                    dst = dq_acc.at[
+                        b, pl.ds(qb * bq, bq), h, pl.ds(wg * g.dq_part[1], g.dq_part[1])
+                    ]
                 if g.tma_reduce:
                     # The last reduce has read dq_own.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -611,7 +686,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     plgpu.copy_smem_to_gmem(dq_own, dst, reduction_op="add")
                 else:
                     # Mosaic GPU's interpreter has no TMA reduce: read, add and write back (CTAs run
-                    # one after another there, and the warpgroups' columns are disjoint).
+                    # one after another there, and the warpgroups' parts are disjoint).
                     plgpu.copy_gmem_to_smem(dst, dq_own, dq_read.at[wg])
                     plgpu.barrier_wait(dq_read.at[wg])
                     dq_own[...] = dq_own[...] + dq
@@ -879,10 +954,9 @@ def _geom(
     fused = params.variant == FUSED_VARIANT
     if fused and not _fused_shape_ok(dpad, bq, key_rows):
         raise NotImplementedError(
-            f"the fused Mosaic GPU attention backward takes head dims padded to "
-            f"{FUSED_HEAD_DIM}, q_blocksize={WG_ROWS} and kv_blocksize={2 * WG_ROWS} (after "
-            f"short sequences shrink them); got {head_dim=}, q_blocksize={bq}, "
-            f"kv_blocksize={key_rows}"
+            f"the fused Mosaic GPU attention backward takes kv_blocksize={2 * WG_ROWS} and, by "
+            f"head dim padded to 64 or 128, q_blocksize {FUSED_Q_ROWS} (after short sequences "
+            f"shrink them); got {head_dim=}, q_blocksize={bq}, kv_blocksize={key_rows}"
         )
     smem_bytes = _fused_smem_bytes if fused else _dkdv_smem_bytes
     dkdv_slots = _ring(
@@ -988,13 +1062,14 @@ def bwd(
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
     ]
-    stage = plgpu.SMEM((g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED)
+    part = (g.parts, WG_ROWS, g.bq // g.parts)  # a warpgroup's P^T or dS^T, in parts
+    stage = plgpu.SMEM((g.key_wgs, *part), dtype, transforms=_TILED)
     if not g.registers_a:  # staging for P^T
         kv_smem.append(stage)
     if g.fused:  # the tile's dS^T, double-buffered: the dQ products' operand
-        kv_smem.append(plgpu.SMEM((2, g.key_wgs, WG_ROWS, g.bq), dtype, transforms=_TILED))
-        half = (g.key_wgs, g.bq, g.dpad // 2)  # each warpgroup's dQ half on its way out
-        kv_smem.append(plgpu.SMEM(half, jnp.float32, transforms=_TILED_F32))
+        kv_smem.append(plgpu.SMEM((2, g.key_wgs, *part), dtype, transforms=_TILED))
+        # each warpgroup's part of a dQ block on its way out
+        kv_smem.append(plgpu.SMEM((g.key_wgs, *g.dq_part), jnp.float32, transforms=_TILED_F32))
     elif not g.registers_a:  # staging for dS^T
         kv_smem.append(stage)
     kv_ready = [
