@@ -1165,7 +1165,7 @@ def test_mosaic_fused_backward_lowers_for_cuda(name):
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
     shape = AttentionShape.of(x["q"], x["k"], case.spec)
-    bwds = [bp for _, bp in _pallas_mosaic.candidates(shape) if bp.variant == "mosaic_fused"]
+    bwds = {bp for _, bp in _pallas_mosaic.candidates(shape) if bp.variant == "mosaic_fused"}
     assert len(bwds) == 1
     mesh = AbstractMesh((1,), ("x",), abstract_device=H100)
     for bp in bwds:

@@ -562,6 +562,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     return block
                 return block.at[pl.ds(part * part_shape[1], part_shape[1])]
 
+            def tile_of(w: Any, part: Any) -> Any:
+                """Warpgroup ``w``'s P^T or dS^T tile of ``part`` in the stages."""
+                return w if g.parts == 1 else w * g.parts + part
+
             def row_vector(ring: Any, slot: Any, part: int = 0) -> Any:
                 return plgpu.load(part_of(ring.at[slot], part), layout=plgpu.Layout.WGMMA.reduce(0))
 
@@ -574,7 +578,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 lse = row_vector(lse_ring, slot)
                 s_t = scaled(plgpu.wgmma_accumulator_load(s_ref, wait_n=1), qb, masked)
                 p_t = jnp.exp2(s_t - _spread(lse, shape, 1))  # queries along columns
-                p_stage_own = None if g.registers_a else p_stage.at[wg, 0]
+                p_stage_own = None if g.registers_a else p_stage.at[wg]
 
                 def dv_product() -> None:
                     plgpu.wgmma(dv_ref, _operand(g, p_t.astype(dtype), p_stage_own), do_blk)
@@ -586,7 +590,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 ds_t = (p_t * (dp_t - _spread(delta, shape, 1))).astype(dtype)
                 if not g.early_dv:
                     dv_product()
-                ds_stage_own = None if g.registers_a else ds_stage.at[wg, 0]
+                ds_stage_own = None if g.registers_a else ds_stage.at[wg]
                 plgpu.wgmma(dk_ref, _operand(g, ds_t, ds_stage_own), q_blk)
 
             def fused_block(
@@ -610,18 +614,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                     delta = row_vector(delta_ring, slot, part)
                     dp_t = plgpu.wgmma_accumulator_load(dp_refs[part], wait_n=later)
                     ds_t = p * (dp_t - _spread(delta, part_shape, 1))
-                    ds_stage.at[buf, wg, part][...] = ds_t.astype(dtype)
+                    ds_stage.at[buf, tile_of(wg, part)][...] = ds_t.astype(dtype)
                     # The last part's P^T is cast where its product is issued; earlier ones now,
                     # which frees their float32 registers for the next part.
                     p_t.append(p if part == g.parts - 1 else p.astype(dtype))
                 plgpu.commit_smem()
                 signal_ds_stored(buf)
                 for part in range(g.parts):
-                    staging = None if g.registers_a else p_stage.at[wg, part]
+                    staging = None if g.registers_a else p_stage.at[tile_of(wg, part)]
                     p16 = p_t[part].astype(dtype)
                     plgpu.wgmma(dv_ref, _operand(g, p16, staging), part_of(do_blk, part))
                 for part in range(g.parts):
-                    plgpu.wgmma(dk_ref, ds_stage.at[buf, wg, part], part_of(q_blk, part))
+                    plgpu.wgmma(dk_ref, ds_stage.at[buf, tile_of(wg, part)], part_of(q_blk, part))
                 if g.registers_a:  # part 0's S^T registers take dQ: S^T is spent
                     s_refs[0][...] = _acc(*g.dq_part)
                     dq_ref = s_refs[0]
@@ -630,9 +634,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
                 wait_ds_stored(buf)  # the other warpgroup's dS^T is stored
                 for w in range(g.key_wgs):
                     if g.dq_by_rows:  # this warpgroup's query rows, every column
-                        ds, k_cols = ds_stage.at[buf, w, wg], k_smem.at[w]
+                        ds, k_cols = ds_stage.at[buf, tile_of(w, wg)], k_smem.at[w]
                     else:  # every query row, this warpgroup's columns
-                        ds = ds_stage.at[buf, w, 0]
+                        ds = ds_stage.at[buf, w]
                         k_cols = k_smem.at[w].at[:, pl.ds(wg * g.dq_part[1], g.dq_part[1])]
                     plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_cols)
 
@@ -1062,12 +1066,13 @@ def bwd(
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
         plgpu.SMEM((g.dkdv_slots, g.bq), jnp.float32),
     ]
-    part = (g.parts, WG_ROWS, g.bq // g.parts)  # a warpgroup's P^T or dS^T, in parts
-    stage = plgpu.SMEM((g.key_wgs, *part), dtype, transforms=_TILED)
+    # P^T or dS^T by (warpgroup, part): tile w * parts + part
+    parts = (g.key_wgs * g.parts, WG_ROWS, g.bq // g.parts)
+    stage = plgpu.SMEM(parts, dtype, transforms=_TILED)
     if not g.registers_a:  # staging for P^T
         kv_smem.append(stage)
     if g.fused:  # the tile's dS^T, double-buffered: the dQ products' operand
-        kv_smem.append(plgpu.SMEM((2, g.key_wgs, *part), dtype, transforms=_TILED))
+        kv_smem.append(plgpu.SMEM((2, *parts), dtype, transforms=_TILED))
         # each warpgroup's part of a dQ block on its way out
         kv_smem.append(plgpu.SMEM((g.key_wgs, *g.dq_part), jnp.float32, transforms=_TILED_F32))
     elif not g.registers_a:  # staging for dS^T
