@@ -118,12 +118,17 @@ def test_mosaic_variants_backward_smoke(tmp_path):
 @pytest.mark.slow
 def test_mosaic_variants_times_the_portable_backward_and_banded_grids(tmp_path):
     # the Mosaic forward with the Triton-lowering backward stands beside the Mosaic backwards'
-    # (and the split's dK/dV tiles in one band, one CTA a tile and persistent)
+    # (split and fused, and their dK/dV tiles in one band, one CTA a tile and persistent)
     _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--dkdv-bands", "2", "--persistent-dkdv", "--portable-bwd", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     checked = {r["impl"]: r["max_rel_err_vs_cudnn"] for r in rows}
-    banded = [f"mosaic + split, dK/dV {grid} in bands of all kv heads" for grid in ("tiles", "persistent")]  # fmt: skip
-    assert set(checked) == {"cudnn", "mosaic + mirrored", "mosaic + split", *banded}
+    banded = [
+        f"mosaic + {kernel}, dK/dV {grid} in bands of all kv heads"
+        for kernel in ("split", "fused")
+        for grid in ("tiles", "persistent")
+    ]
+    expected = {"cudnn", "mosaic + mirrored", "mosaic + split", "mosaic + fused", *banded}
+    assert set(checked) == expected
     assert all(err < 2e-2 for err in checked.values())
 
 
