@@ -454,3 +454,19 @@ def test_tuner_harness_times_one_pair_every_way(tmp_path):
     for row in rows:
         assert set(row["ms"]) == {"dense", "chunked"} and min(row["ms"].values()) > 0
         assert row["ratio"] == row["ms"]["chunked"] / row["ms"]["dense"]
+
+
+def test_same_programs_tells_equal_kernels_from_changed_ones(tmp_path):
+    # this tree's backward against a copy of itself: every kernel equal
+    source = (ROOT / "ejkfn" / "attention" / "_pallas_mosaic_bwd.py").read_text()
+    copy = tmp_path / "copy_bwd.py"
+    copy.write_text(source)
+    shape = ("--shapes", "1x512x2x128x1", "--masks", "none")
+    same = _run("same_programs.py", "--other-bwd", str(copy), *shape)
+    assert same.count("| yes |") == 2  # the split's two kernels and the fused one
+    # a memory warpgroup with more registers changes the GQA kernels' programs
+    edited = tmp_path / "edited_bwd.py"
+    assert "_MEMORY_REGISTERS = 24" in source
+    edited.write_text(source.replace("_MEMORY_REGISTERS = 24", "_MEMORY_REGISTERS = 32"))
+    changed = _run("same_programs.py", "--other-bwd", str(edited), *shape, returncode=1)
+    assert "| split backward | 2 | kernel 0: " in changed
