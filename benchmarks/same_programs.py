@@ -141,8 +141,11 @@ def main() -> int:
     args = parser.parse_args()
     if not (args.other_bwd or args.other_fwd):
         parser.error("name another revision: --other-bwd and/or --other-fwd")
-    other_fwd = load_module(args.other_fwd, "_same_fwd") if args.other_fwd else None
-    other_bwd = load_module(args.other_bwd, "_same_bwd") if args.other_bwd else None
+    try:
+        other_fwd = load_module(args.other_fwd, "_same_fwd") if args.other_fwd else None
+        other_bwd = load_module(args.other_bwd, "_same_bwd") if args.other_bwd else None
+    except FileNotFoundError as e:
+        parser.error(str(e))
     causals = {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
     differ = 0
     print("| shape | program | kernels | same |\n|---|---|---|---|")

@@ -28,8 +28,9 @@ block's dQ = dS K (over all 128 keys; at head dim 128 a half of the columns, at 
 rows) together, and adds that float32 part into a dQ accumulator in global memory with a TMA
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
-it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal (see
-benchmarks/NOTES.md); the forward backend's heuristic takes it where nothing is masked. Without
+it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal at head dim
+128, and 1.04-1.09x and 0.98-1.05x at 64 (see benchmarks/NOTES.md); the forward backend's heuristic
+takes it where nothing is masked. Without
 GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have released the slot,
 and the compute warpgroups keep the registers a memory warpgroup would hold (``_Geom.self_fed``).
 
@@ -267,7 +268,7 @@ class _Geom:
     def dq_by_rows(self) -> bool:
         """Whether the fused kernel's warpgroups share a dQ block by query rows (128-row blocks),
         not by head-dim columns."""
-        return self.bq > WG_ROWS
+        return self.fused and self.bq > WG_ROWS
 
     @property
     def dq_part(self) -> tuple[int, int]:
