@@ -313,19 +313,15 @@ def selected_implementations(
     )
 
 
-PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}  # --backward: with backward?
-
-
-def passes(args: argparse.Namespace) -> tuple[bool, ...]:
-    """Which passes ``--backward`` asks for: forward (False), forward+backward (True)."""
-    return PASSES[args.backward]
+# --backward's passes: forward (False), forward+backward (True)
+PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}
 
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
-    for backward in passes(args):
+    for backward in PASSES[args.backward]:
         impls = selected_implementations(case, backward, args)
         for row in check_then_time(
             case,
@@ -357,7 +353,7 @@ def profile(cases: list[Case], args: argparse.Namespace) -> None:
     implementation's name goes to stdout before its calls, to match the profiler's kernels."""
     for case in cases:
         data = inputs(case, 0)
-        for backward in passes(args):
+        for backward in PASSES[args.backward]:
             for name, fn in selected_implementations(case, backward, args).items():
                 print(f"profile: {case.name} {'fwd+bwd' if backward else 'fwd'} {name}", flush=True)
                 for _ in range(2):

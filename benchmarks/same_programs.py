@@ -119,9 +119,9 @@ def programs(
 
 def first_difference(ours: list[str], theirs: list[str]) -> str:
     """Empty where the kernels are equal; else where they first differ."""
-    for side, kernels_ in (("here", ours), ("there", theirs)):
-        if kernels_[0].startswith("refused:"):
-            return f"{side} {kernels_[0][:200]}"
+    for side, lowered in (("here", ours), ("there", theirs)):
+        if lowered[0].startswith("refused:"):
+            return f"{side} {lowered[0][:200]}"
     if len(ours) != len(theirs):
         return f"{len(ours)} kernels here, {len(theirs)} there"
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):

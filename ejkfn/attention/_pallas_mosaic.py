@@ -141,8 +141,9 @@ def available() -> bool:
     return device.platform == "gpu" and str(getattr(device, "compute_capability", "")) == "9.0"
 
 
-def _padded_head_dim(d: int) -> int:
-    return -(-d // 64) * 64
+def _whole_64s(n: int) -> int:
+    """A head dim or sequence length padded to whole 64s (at least 64)."""
+    return max(64, -(-n // 64) * 64)
 
 
 def _refuse(spec: AttentionSpec, q: Any, k: Any) -> None:
@@ -157,7 +158,7 @@ def _refuse(spec: AttentionSpec, q: Any, k: Any) -> None:
         )
     if not (q.dtype == k.dtype):
         raise NotImplementedError(f"q and k/v must share a dtype; got {q.dtype} and {k.dtype}")
-    if _padded_head_dim(q.shape[-1]) > 256:
+    if _whole_64s(q.shape[-1]) > 256:
         raise NotImplementedError(
             f"platform 'pallas' (mosaic) supports head dim up to 256; got {q.shape[-1]}"
         )
@@ -559,7 +560,7 @@ def _forward(
     batch, seq_q, heads, head_dim = q.shape
     _, seq_k, kv_heads, _ = k.shape
     params = params or heuristic(AttentionShape.of(q, k, spec))[0]
-    bk = min(params.kv_blocksize, max(64, -(-seq_k // 64) * 64))
+    bk = min(params.kv_blocksize, _whole_64s(seq_k))
     if bk % 64 or bk > 256:
         raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128, 192 or 256")
     if params.q_blocksize > CTA_ROWS and params.q_blocksize != 2 * CTA_ROWS:
@@ -576,7 +577,7 @@ def _forward(
         seq_q=seq_q,
         seq_k=seq_k,
         group=heads // kv_heads,
-        dpad=_padded_head_dim(head_dim),
+        dpad=_whole_64s(head_dim),
         bk=bk,
         slots=min(max(2, params.num_stages), max(2, skp // bk)),
         heads=heads,
@@ -748,8 +749,8 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
     beside two 64 x 128 float32 accumulators fill a warpgroup's registers), 128 below; two stages.
     Chosen for registers and shared memory; the GPU runs since have kept it (benchmarks/NOTES.md).
     """
-    d = _padded_head_dim(shape.head_dim)
-    seq_q, seq_k = (max(64, -(-n // 64) * 64) for n in (shape.seq_q, shape.seq_k))
+    d = _whole_64s(shape.head_dim)
+    seq_q, seq_k = _whole_64s(shape.seq_q), _whole_64s(shape.seq_k)
     bq = min(128 if d <= 64 else 64, seq_q)
     bp = BwdParams(
         q_blocksize=bq,
@@ -796,7 +797,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     (results/tune_shipped_NVIDIA_H200_d64_causal_split_vs_portable_20261127.json,
     tune_shipped_NVIDIA_H200_d64_persistent_20261127.json, ..._H100_80GB_HBM3_d64_persistent_...).
     """
-    d = _padded_head_dim(shape.head_dim)
+    d = _whole_64s(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
     rows = 2 * CTA_ROWS if _clustered(shape) else CTA_ROWS
     fp = FwdParams(q_blocksize=rows, kv_blocksize=bk, num_warps=12, num_stages=slots)
@@ -820,14 +821,15 @@ def _fused_bwd(shape: AttentionShape, split: BwdParams) -> BwdParams | None:
     """The fused backward's block shape for the head dim (128 key rows; 64 query rows at head dims
     65-128, 128 at up to 64; two stages), or None where it cannot take the shape (a whole block of
     each)."""
-    q_rows = _pallas_mosaic_bwd.FUSED_Q_ROWS.get(_padded_head_dim(shape.head_dim))
+    q_rows = _pallas_mosaic_bwd.FUSED_Q_ROWS.get(_whole_64s(shape.head_dim))
     if q_rows is None:
         return None
     fused = dataclasses.replace(
         split, q_blocksize=q_rows, kv_blocksize=128, num_stages=2,
         variant=_pallas_mosaic_bwd.FUSED_VARIANT,
     )  # fmt: skip
-    whole = shape.seq_q > q_rows - 64 and shape.seq_k > 64
+    # (shorter sequences shrink the blocks: _pallas_mosaic_bwd._geom)
+    whole = _whole_64s(shape.seq_q) >= q_rows and _whole_64s(shape.seq_k) >= 128
     return fused if whole and _pallas_mosaic_bwd.supports(shape.head_dim, fused) else None
 
 
@@ -840,10 +842,10 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     stages), cuDNN's backward
     on this forward's residuals where cuDNN runs (on an H200 1.00-1.04x cuDNN's forward+backward:
     results/mosaic_variants_NVIDIA_H200_20261122-223652.json), and the Triton-lowering candidates."""
-    d = _padded_head_dim(shape.head_dim)
+    d = _whole_64s(shape.head_dim)
     heur = heuristic(shape)
     out = [heur]
-    seq_k = max(64, -(-shape.seq_k // 64) * 64)
+    seq_k = _whole_64s(shape.seq_k)
     for bk in (64, 128, 256):
         for slots in (2, 3, 4):
             fp = FwdParams(q_blocksize=CTA_ROWS, kv_blocksize=bk, num_warps=12, num_stages=slots)
