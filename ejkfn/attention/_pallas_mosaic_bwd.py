@@ -390,8 +390,15 @@ def _acc(rows: int, cols: int) -> Any:
     return plgpu.layout_cast(jnp.full((rows, cols), 0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _iota(shape: tuple[int, int], dim: int) -> Any:
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+def indices(start: Any, shape: tuple[int, int], axis: int) -> Any:
+    """``start, start + 1, ...`` along a WGMMA tile's ``axis``, the same across the other.
+
+    Built as a vector and broadcast, so a mask compares a few registers' values: a whole-tile iota
+    does not depend on the step, is hoisted out of the step loop and holds a register per score
+    across it (benchmarks/NOTES.md, fortieth round)."""
+    layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+    vector = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout) + start
+    return _spread(vector, shape, axis)
 
 
 def _pipelined(
@@ -437,7 +444,7 @@ def _operand(g: _Geom, value: Any, staging: Any) -> Any:
 
 
 def _spread(vector: Any, shape: tuple[int, int], axis: int) -> Any:
-    """A vector over a tile's query rows, broadcast along the tile's ``axis`` of them."""
+    """A vector laid along a tile's ``axis``, the same across the tile's other axis."""
     return lax.broadcast_in_dim(vector, shape, [axis])
 
 
@@ -552,9 +559,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             def scaled(s_t: Any, qb: Any, masked: bool, part: int = 0) -> Any:
                 s_t = s_t * (g.scale * LOG2E)
                 if masked:
-                    key = _iota(s_t.shape, 0) + key_base
-                    row = _iota(s_t.shape, 1) + (qb * bq + part * part_shape[1])
-                    s_t = jnp.where(key <= row + g.offset, s_t, -jnp.inf)
+                    key = indices(key_base, s_t.shape, 0)
+                    row = indices(qb * bq + part * part_shape[1] + g.offset, s_t.shape, 1)
+                    s_t = jnp.where(key <= row, s_t, -jnp.inf)
                 return s_t
 
             def part_of(block: Any, part: int) -> Any:
@@ -819,10 +826,10 @@ def _dq_kernel(
                     plgpu.wgmma(dp_ref, do_own, v_blk.transpose((1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * (g.scale * LOG2E)
                     if masked:
-                        key = _iota(shape, 1) + kv * bk
+                        key = indices(kv * bk, shape, 1)
                         ok = key < g.seq_k
                         if g.causal:
-                            ok = ok & (key <= _iota(shape, 0) + (row_base + g.offset))
+                            ok = ok & (key <= indices(row_base + g.offset, shape, 0))
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s - _spread(lse, shape, 0))  # queries along rows
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
