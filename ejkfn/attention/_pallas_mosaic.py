@@ -86,7 +86,7 @@ from ._mosaic_grid import (
     resident_ctas,
     spared_sms,
 )
-from ._pallas_mosaic_bwd import LOG2E, WG_ROWS, indices
+from ._pallas_mosaic_bwd import LOG2E, WG_ROWS
 from ._spec import AttentionSpec
 
 __all__ = ["available", "bwd", "candidates", "fwd", "heuristic"]
@@ -375,10 +375,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                     s = s * log2_scale
                 if masked:
                     shape = (WG_ROWS, bk)
-                    cols = indices(kv * bk, shape, 1)
+                    rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                    cols = cols + kv * bk
                     ok = cols < g.seq_k
                     if g.causal:
-                        ok = ok & (cols <= indices(q_base + g.offset, shape, 0))
+                        ok = ok & (cols <= rows + (q_base + g.offset))
                     s = jnp.where(ok, s, -jnp.inf)
                 # With a positive scale the raw scores' row max, scaled, is the scaled scores', and
                 # scaling inside exp2's argument makes one fused multiply-add per score.
