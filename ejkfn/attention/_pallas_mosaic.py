@@ -787,7 +787,10 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     At head dim 64 the fused backward (128-row query blocks) ran forward+backward 1.07 / 1.09 /
     1.07x the split one without a mask at 8x2048x32x64, 2x8192x32x64 and 4x4096x32x64, 1.04-1.06x
     with 8 kv heads at the first two; causal 1.04-1.05x from 4096 keys (with GQA too) and 0.98x at
-    2048 (results/mosaic_variants_NVIDIA_H200_20261128-022354.json, -022539.json).
+    2048 (results/mosaic_variants_NVIDIA_H200_20261128-022354.json, -022539.json). With the
+    backward's masks built from index vectors (fortieth round) it read at 2048 keys 1.003x the split
+    on an H200 and 0.94x on an H100, with GQA 1.009x and 0.99x (mosaic_variants_NVIDIA_H200_
+    20261128-042246.json, ..._H100_80GB_HBM3_20261128-042842.json): the split keeps it there.
 
     Causal at head dim 64 without GQA the Triton-lowering backward had led the split one by
     1.02-1.10x, until the split's dK/dV kernel went persistent there (benchmarks/NOTES.md,

@@ -29,7 +29,7 @@ rows) together, and adds that float32 part into a dQ accumulator in global memor
 reduce-add; XLA zeroes the accumulator before and scales and casts it after. Five matrix products per
 block pair instead of seven; the order of the additions varies, so dQ's last bits do too. On an H200
 it measured 1.01-1.06x the split forward+backward without a mask and 0.94-1.04x causal at head dim
-128, and 1.04-1.09x and 0.98-1.05x at 64 (see benchmarks/NOTES.md); the forward backend's heuristic
+128, and 1.04-1.09x and 1.00-1.05x at 64 (see benchmarks/NOTES.md); the forward backend's heuristic
 takes it where nothing is masked. Without
 GQA it has no memory warpgroup: warpgroup 0 issues each ring copy once both have released the slot,
 and the compute warpgroups keep the registers a memory warpgroup would hold (``_Geom.self_fed``).
@@ -390,12 +390,12 @@ def _acc(rows: int, cols: int) -> Any:
     return plgpu.layout_cast(jnp.full((rows, cols), 0, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def indices(start: Any, shape: tuple[int, int], axis: int) -> Any:
+def _indices(start: Any, shape: tuple[int, int], axis: int) -> Any:
     """``start, start + 1, ...`` along a WGMMA tile's ``axis``, the same across the other.
 
-    Built as a vector and broadcast, so a mask compares a few registers' values: a whole-tile iota
-    does not depend on the step, is hoisted out of the step loop and holds a register per score
-    across it (benchmarks/NOTES.md, fortieth round)."""
+    Built as a vector and broadcast: a whole-tile iota does not depend on the step, and kept across
+    the step loop it takes a register a score. Masks built from two of these spilled 35-100% fewer
+    bytes and ran up to 1.07x faster at head dim 64 (benchmarks/NOTES.md, fortieth round)."""
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     vector = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout) + start
     return _spread(vector, shape, axis)
@@ -559,8 +559,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
             def scaled(s_t: Any, qb: Any, masked: bool, part: int = 0) -> Any:
                 s_t = s_t * (g.scale * LOG2E)
                 if masked:
-                    key = indices(key_base, s_t.shape, 0)
-                    row = indices(qb * bq + part * part_shape[1] + g.offset, s_t.shape, 1)
+                    key = _indices(key_base, s_t.shape, 0)
+                    row = _indices(qb * bq + part * part_shape[1] + g.offset, s_t.shape, 1)
                     s_t = jnp.where(key <= row, s_t, -jnp.inf)
                 return s_t
 
@@ -826,10 +826,10 @@ def _dq_kernel(
                     plgpu.wgmma(dp_ref, do_own, v_blk.transpose((1, 0)))
                     s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * (g.scale * LOG2E)
                     if masked:
-                        key = indices(kv * bk, shape, 1)
+                        key = _indices(kv * bk, shape, 1)
                         ok = key < g.seq_k
                         if g.causal:
-                            ok = ok & (key <= indices(row_base + g.offset, shape, 0))
+                            ok = ok & (key <= _indices(row_base + g.offset, shape, 0))
                         s = jnp.where(ok, s, -jnp.inf)
                     p = jnp.exp2(s - _spread(lse, shape, 0))  # queries along rows
                     dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
