@@ -394,7 +394,7 @@ def _indices(start: Any, shape: tuple[int, int], axis: int) -> Any:
     """``start, start + 1, ...`` along a WGMMA tile's ``axis``, the same across the other.
 
     Built as a vector and broadcast: a whole-tile iota does not depend on the step, and kept across
-    the step loop it takes a register a score. Masks built from two of these spilled 35-100% fewer
+    the step loop it takes a register a score. Masks built from two of these spilled 34-100% fewer
     bytes and ran up to 1.07x faster at head dim 64 (benchmarks/NOTES.md, fortieth round)."""
     layout = plgpu.Layout.WGMMA.reduce(1 - axis)
     vector = plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=layout) + start
