@@ -64,6 +64,8 @@ FULL_SHAPES = [  # (batch, seq, heads, kv_heads, dim)
     (2, 8192, 32, 8, 128),
 ]
 QUICK_SHAPES = [(2, 4096, 16, 16, 128)]
+# --masks of the scripts here: which of each shape's calls, causal or not, to run
+MASKS = {"none": (False,), "causal": (True,), "both": (False, True)}
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:

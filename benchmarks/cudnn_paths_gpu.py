@@ -23,7 +23,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import Case, fwd_bwd, inputs, interleaved_ms, parse_shapes, save_rows
+from attention import MASKS, Case, fwd_bwd, inputs, interleaved_ms, parse_shapes, save_rows
 
 import ejkfn
 from ejkfn.attention import AttentionConfig
@@ -66,12 +66,12 @@ def main() -> int:
         default="2x8192x16x128,4x4096x16x128,2x8192x32x128x8,8x2048x32x64",
         help="BxSxHxD or BxSxHxDxKVH, comma-separated",
     )
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", default="", help="folder for the results' JSON")
     args = parser.parse_args()
-    causal_options = {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+    causal_options = MASKS[args.masks]
     rows: list[dict[str, Any]] = []
     for b, s, h, kvh, d in parse_shapes(args.shapes):
         for causal in causal_options:

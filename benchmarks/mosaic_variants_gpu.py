@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import (
+    MASKS,
     Case,
     check_then_time,
     fwd_bwd,
@@ -440,7 +441,7 @@ def main() -> int:
         action="store_true",
         help="with --dkdv-bands, also those backwards with the dK/dV kernel on the persistent grid",
     )
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     parser.add_argument("--profile", action="store_true", help="run each kernel twice, no table")
     parser.add_argument(
         "--power", action="store_true", help="also board power and SM clock of each"
@@ -451,7 +452,7 @@ def main() -> int:
     cases = [
         Case(b, s, h, kvh, d, causal)
         for b, s, h, kvh, d in parse_shapes(shapes)
-        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+        for causal in MASKS[args.masks]
     ]
     if args.profile:
         profile(cases, args)

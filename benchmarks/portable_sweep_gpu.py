@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 import jax
-from attention import Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
+from attention import MASKS, Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
 
 import ejkfn
 from ejkfn._registry import BwdParams, FwdParams
@@ -147,7 +147,7 @@ def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]], t
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     parser.add_argument(
         "--passes", default="fwd,bwd", help="fwd, bwd (forward and backward) or both"
     )
@@ -169,9 +169,7 @@ def main() -> int:
         if kvh != h:
             parser.error(f"--shapes: {b}x{s}x{h}x{d}x{kvh} has GQA, which mha does not take")
     cases = [
-        Case(b, s, h, kvh, d, causal)
-        for b, s, h, kvh, d in shapes
-        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+        Case(b, s, h, kvh, d, causal) for b, s, h, kvh, d in shapes for causal in MASKS[args.masks]
     ]
     rows: list[dict[str, Any]] = []
     t0 = time.time()

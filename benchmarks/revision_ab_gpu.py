@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 from attention import (
+    MASKS,
     Case,
     check_then_time,
     fwd_bwd,
@@ -100,7 +101,7 @@ def main() -> int:
     parser.add_argument("--previous", required=True, help="folders, comma-separated")
     parser.add_argument("--backends", default="triton,pallas")
     parser.add_argument("--shapes", default=SHAPES)
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     parser.add_argument("--passes", default="fwd,bwd")
     parser.add_argument("--band-mib", default="", help="comma-separated L2 budgets to add (MiB)")
     parser.add_argument("--calls", type=int, default=5)
@@ -121,7 +122,7 @@ def main() -> int:
     cases = [
         Case(b, s, h, kvh, d, causal)
         for b, s, h, kvh, d in parse_shapes(args.shapes)
-        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+        for causal in MASKS[args.masks]
     ]
     rows: list[dict[str, Any]] = []
     t0 = time.time()

@@ -37,7 +37,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import load_module, parse_shapes
+from attention import MASKS, load_module, parse_shapes
 
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
@@ -137,7 +137,7 @@ def main() -> int:
     parser.add_argument("--other-bwd", help="another revision's _pallas_mosaic_bwd.py")
     parser.add_argument("--other-fwd", help="another revision's _pallas_mosaic.py (its forward)")
     parser.add_argument("--shapes", default=SHAPES, help="BxSxHxD[xKVH],... as attention.py")
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="both")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     args = parser.parse_args()
     if not (args.other_bwd or args.other_fwd):
         parser.error("name another revision: --other-bwd and/or --other-fwd")
@@ -146,7 +146,7 @@ def main() -> int:
         other_bwd = load_module(args.other_bwd, "_same_bwd") if args.other_bwd else None
     except FileNotFoundError as e:
         parser.error(str(e))
-    causals = {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]
+    causals = MASKS[args.masks]
     differ = 0
     print("| shape | program | kernels | same |\n|---|---|---|---|")
     for (b, s, h, kvh, d), causal in (

@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from attention import MIN_BATCH_MS, parse_shapes
+from attention import MASKS, MIN_BATCH_MS, parse_shapes
 
 import ejkfn
 from ejkfn import BwdParams, FwdParams
@@ -75,9 +75,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--masks",
-        choices=("both", "none", "causal"),
+        choices=tuple(MASKS),
         default="both",
-        help="which of each shape's calls to tune: causal and not, only not, only causal",
+        help="which of each shape's calls to tune: only not causal, only causal, or both",
     )
     p.add_argument(
         "--install", nargs="+", default=None, help="cache folders to merge into the package"
@@ -257,7 +257,7 @@ def tune(args: argparse.Namespace) -> None:
     backends = chosen_backends(args.backends)
     log: list[dict[str, Any]] = []
     for batch, seq, heads, kv_heads, dim in shapes:
-        for causal in {"both": (False, True), "none": (False,), "causal": (True,)}[args.masks]:
+        for causal in MASKS[args.masks]:
             q = jnp.zeros((batch, seq, heads, dim), jnp.bfloat16)
             k = jnp.zeros((batch, seq, kv_heads, dim), jnp.bfloat16)
             (inv,) = ejkfn.record(

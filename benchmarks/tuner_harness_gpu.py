@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import (
+    MASKS,
     MIN_BATCH_MS,
     SETTLE_MS,
     Case,
@@ -89,7 +90,7 @@ def main() -> int:
     parser.add_argument(
         "--shapes", default=None, help="BxSxHxD[xKVH],... (--cpu-smoke: 1x256x2x64)"
     )
-    parser.add_argument("--masks", choices=("none", "causal", "both"), default="causal")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="causal")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--min-batch-ms", type=float, default=MIN_BATCH_MS)
@@ -101,7 +102,7 @@ def main() -> int:
     timing = dict(calls=args.calls, rounds=args.rounds, min_batch_ms=args.min_batch_ms)
     rows: list[dict[str, Any]] = []
     for b, s, h, kvh, d in parse_shapes(shapes):
-        for causal in {"none": (False,), "causal": (True,), "both": (False, True)}[args.masks]:
+        for causal in MASKS[args.masks]:
             case = Case(b, s, h, kvh, d, causal)
             cfgs = cpu_pair() if args.cpu_smoke else gpu_pair(d)
             first, second = cfgs
