@@ -156,10 +156,9 @@ def _dkdv_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
 
 
 def _fused_smem_bytes(d: int, key_rows: int, bq: int, slots: int) -> int:
-    """The dK/dV kernel's, the tile's dS^T (16-bit) twice over, per warpgroup its float32 part of
-    a dQ block on its way out, and (causal) its 16-bit diagonal tile (:attr:`_Geom.diagonal_tile`)."""
-    diagonal = key_rows * WG_ROWS * 2
-    return _dkdv_smem_bytes(d, key_rows, bq, slots) + 2 * key_rows * bq * 2 + bq * d * 4 + diagonal
+    """The dK/dV kernel's, the tile's dS^T (16-bit) twice over, and per warpgroup its float32 part of
+    a dQ block on its way out."""
+    return _dkdv_smem_bytes(d, key_rows, bq, slots) + 2 * key_rows * bq * 2 + bq * d * 4
 
 
 def _fused_shape_ok(d: int, bq: int, key_rows: int) -> bool:
@@ -257,15 +256,6 @@ class _Geom:
         fused kernel, whose dQ product takes 32 registers more, ran 0.88-0.93x instead of 0.94-1.00x
         (H200, benchmarks/NOTES.md, fourteenth round). Both issue dV with dK there."""
         return not self.fused and self.dpad + 3 * self.bq // 2 <= 224
-
-    @property
-    def diagonal_tile(self) -> bool:
-        """Whether the fused kernel masks from a stored tile: causal with the diagonal on 64-row
-        bounds, where each 64 x 64 part of a masked step is wholly seen, wholly hidden, or cut by
-        the diagonal in one fixed pattern. Each warpgroup stores that pattern (1 where a key is
-        seen) once and reads it back in its masked steps, so no index vectors stay in registers
-        across the step loop; two scalars a part say which of the three it is."""
-        return self.fused and self.causal and self.offset % WG_ROWS == 0
 
     @property
     def parts(self) -> int:
@@ -411,20 +401,6 @@ def _indices(start: Any, shape: tuple[int, int], axis: int) -> Any:
     return _spread(vector, shape, axis)
 
 
-_HIDDEN = -1e30  # a masked score (finite, so that 0 times it stays 0); exp2 of it is 0
-
-
-def _diagonal_bias(seen_ref: Any, lead: Any) -> Any:
-    """What a masked 64 x 64 part adds to its scores, its keys ``lead`` rows past its first query
-    row (a multiple of 64): 0 where seen, ``_HIDDEN`` where not. Cut by the diagonal (``lead`` 0)
-    it follows ``seen_ref``'s pattern; ahead of the queries (``lead`` > 0) it hides all; behind them
-    it hides none."""
-    cut = jnp.where(lead == 0, -_HIDDEN, 0.0)
-    hidden = jnp.where(lead >= 0, _HIDDEN, 0.0)
-    seen = plgpu.load(seen_ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    return seen * cut + hidden
-
-
 def _pipelined(
     g: _Geom,
     body: Callable[[tuple[Any, ...]], None],
@@ -481,7 +457,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
     p_stage = None if g.registers_a else next(rest)
     ds_stage = next(rest) if g.fused or not g.registers_a else None
     dq_stage = next(rest) if g.fused else None
-    diagonal = next(rest) if g.diagonal_tile else None
     # A ring slot's four copies (Q, dO, lse, delta) arrive on one barrier: one wait a step.
     k_ready, v_ready, block_ready, *fused_barriers = ready
     # The fused kernel's: a dS^T buffer stored by both warpgroups, the interpreter's dQ read, K read
@@ -545,10 +520,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
         if not g.self_fed:
             plgpu.set_max_registers(_compute_registers(g.key_wgs), action="increase")
         k_own, v_own = k_smem.at[wg], v_smem.at[wg]
-        if g.diagonal_tile:
-            seen = _indices(0, (WG_ROWS, WG_ROWS), 0) <= _indices(0, (WG_ROWS, WG_ROWS), 1)
-            diagonal.at[wg][...] = jnp.where(seen, 1.0, 0.0).astype(dtype)
-            plgpu.commit_smem()
 
         def run_tile(t: Any, start: Any) -> Any:
             b, kvh, tile_base, first, per_head = tile(t)
@@ -587,16 +558,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, g) -> N
 
             def scaled(s_t: Any, qb: Any, masked: bool, part: int = 0) -> Any:
                 s_t = s_t * (g.scale * LOG2E)
-                if not masked:
-                    return s_t
-
-                def first_row() -> Any:  # of the part, on the keys' axis
-                    return qb * bq + part * part_shape[1] + g.offset
-
-                if g.diagonal_tile:
-                    return s_t + _diagonal_bias(diagonal.at[wg], key_base - first_row())
-                key = _indices(key_base, s_t.shape, 0)
-                return jnp.where(key <= _indices(first_row(), s_t.shape, 1), s_t, -jnp.inf)
+                if masked:
+                    key = _indices(key_base, s_t.shape, 0)
+                    row = _indices(qb * bq + part * part_shape[1] + g.offset, s_t.shape, 1)
+                    s_t = jnp.where(key <= row, s_t, -jnp.inf)
+                return s_t
 
             def part_of(block: Any, part: int) -> Any:
                 """Query rows ``part`` of a ring slot's block (the whole block in one part)."""
@@ -1117,8 +1083,6 @@ def bwd(
         kv_smem.append(plgpu.SMEM((2, *parts), dtype, transforms=_TILED))
         # each warpgroup's part of a dQ block on its way out
         kv_smem.append(plgpu.SMEM((g.key_wgs, *g.dq_part), jnp.float32, transforms=_TILED_F32))
-    if g.diagonal_tile:
-        kv_smem.append(plgpu.SMEM((g.key_wgs, WG_ROWS, WG_ROWS), dtype, transforms=_TILED))
     elif not g.registers_a:  # staging for dS^T
         kv_smem.append(stage)
     kv_ready = [
