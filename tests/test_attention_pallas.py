@@ -694,6 +694,16 @@ MOSAIC_FUSED_CASES = {
         Case(batch=2, seq_q=190, seq_k=100, dim=64, dtype=jnp.bfloat16),
         _fused_bwd(128, 128),
     ),
+    # The diagonal on 64-row bounds but off 0 (64 and 128 keys past the first query row): a masked
+    # block's 64 x 64 parts wholly hidden, wholly seen and cut.
+    "d64_causal_k_longer_by_64": (
+        Case(seq_q=136, seq_k=200, dim=64, dtype=jnp.bfloat16, causal=True),
+        _fused_bwd(128, 128),
+    ),
+    "causal_k_longer_by_128_gqa": (
+        Case(seq_q=72, seq_k=200, heads=2, kv_heads=1, dim=128, dtype=jnp.float16, causal=True),
+        _fused_bwd(64, 128),
+    ),
 }
 
 
@@ -716,6 +726,8 @@ def test_mosaic_fused_backward_feeds_itself_only_without_gqa():
         "d64_causal_ragged": True,
         "d40_gqa_k_longer": False,
         "d64_q_longer": True,
+        "d64_causal_k_longer_by_64": True,
+        "causal_k_longer_by_128_gqa": False,
     }
 
 
