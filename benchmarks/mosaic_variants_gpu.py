@@ -288,6 +288,11 @@ def implementations(
             name = f"persistent fwd, dK/dV {'pers.' if dkdv else 'tiles'}, dQ {'pers.' if dq else 'tiles'}"
             impls[name] = direct(split, True, (dkdv, dq))
         impls["one tile per CTA everywhere"] = direct(split, False, (False, False))
+    if other_grid and fused and _pallas_mosaic_bwd.supports(case.dim, fused):
+        # the fused backward's one kernel on the grid it does not take
+        dkdv, dq = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim)
+        grid = "one tile per CTA" if dkdv else "persistent"
+        impls[f"mosaic + fused, {grid}"] = direct(fused, bwd_persistent=(not dkdv, dq))
     return impls
 
 
@@ -382,7 +387,8 @@ def main() -> int:
         "--other-grid",
         action="store_true",
         help="also the forwards (the heuristic's, each of --fwd-blocks) on the grid the shape does "
-        "not take (_pallas_mosaic.default_persistent), and the split backward's other grids",
+        "not take (_pallas_mosaic.default_persistent), the split backward's other grids and the "
+        "fused one's other grid",
     )
     parser.add_argument(
         "--tile-order",

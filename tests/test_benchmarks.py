@@ -132,6 +132,28 @@ def test_mosaic_variants_times_the_portable_backward_and_banded_grids(tmp_path):
     assert all(err < 2e-2 for err in checked.values())
 
 
+@pytest.mark.slow
+def test_mosaic_variants_times_the_backwards_on_their_other_grids(tmp_path):
+    # at head dim 64 both backwards' dK/dV kernels take the persistent grid: the split one also
+    # runs its other three (dK/dV, dQ) grids and the one-tile forward, the fused one one tile a CTA
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--other-grid", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
+    checked = {r["impl"]: r["max_rel_err_vs_cudnn"] for r in rows}
+    split_grids = [
+        f"persistent fwd, dK/dV {dkdv}, dQ {dq}"
+        for dkdv, dq in (("pers.", "pers."), ("tiles", "pers."), ("tiles", "tiles"))
+    ]
+    assert set(checked) == {
+        "cudnn",
+        "mosaic + split",
+        "mosaic + fused",
+        *split_grids,
+        "one tile per CTA everywhere",
+        "mosaic + fused, one tile per CTA",
+    }
+    assert all(err < 2e-2 for err in checked.values())
+
+
 def test_tune_shipped_stores_a_config_per_shape(tmp_path):
     _run("tune_shipped.py", "--shapes", "1x64x2x16", "--iters", "1", "--out", str(tmp_path))
     log = _saved(tmp_path, "tune_shipped_*.json")["log"]

@@ -242,8 +242,10 @@ class _Geom:
         H100 and 1.02-1.05x on an H200 at 4x4096, 2x8192, 2x16384 and 1x32768 (twentieth round);
         with GQA (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
         (benchmarks/NOTES.md, seventeenth round). It runs on the persistent grid too, where ptxas
-        spilled 160-172 bytes instead of 8-12 and forward+backward read 0.90-0.91x one tile a CTA
-        on an H200 (twenty-first round), so by default it takes one tile a CTA."""
+        spilled 160-172 bytes instead of 8-12 at head dim 128 and forward+backward read 0.90-0.91x
+        one tile a CTA on an H200 (twenty-first round), so at 128 it takes one tile a CTA by
+        default. At head dim 64 it takes the persistent grid, as the split's dK/dV kernel does
+        (:func:`default_persistent`); one tile a CTA has not been timed there."""
         return self.fused and self.group == 1
 
     @property
