@@ -12,8 +12,9 @@ where they import), it
    the clock follows its power, then a timed batch of ``--calls`` calls back to back (input sets
    rotating; more where they would last under ``--min-batch-ms``), waited on once; the median over
    rounds (drifts of the machine's speed fall on all alike);
-3. prints one table with TFLOP/s and the ratio to cuDNN, and writes the results with device, driver and
-   versions to ``--out`` (default ``benchmarks/results``).
+3. prints one table with TFLOP/s and the ratio to cuDNN, the goals' ratios per shape and a tally of
+   each goal (:data:`GOALS`), and writes the results with device, driver and versions to ``--out``
+   (default ``benchmarks/results``). ``--tabulate`` prints the tables of saved runs.
 
 FLOPs: ``4 * B * H * Sq * Sk * D`` forward (half when causal); forward+backward is 3.5 times that.
 
@@ -519,6 +520,68 @@ def platform_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+PASSES = ("fwd", "fwd_bwd")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseRatios:
+    """One case's ratios that the goals compare, per pass ("fwd", "fwd_bwd"); None where a side
+    did not run. "Best" is the fastest of our own kernels (not our cuDNN backend); ``auto`` is
+    compared with the fastest of every ejkfn platform."""
+
+    head_dim: int
+    best: dict[str, tuple[float | None, str]]  # (best / cuDNN, its platform)
+    auto: dict[str, float | None]
+    triton: dict[str, float | None]  # our Triton / JAX's mha
+    pallas_triton: dict[str, float | None]  # our Pallas-Triton / JAX's mha
+    tokamax: dict[str, float | None]  # best / tokamax's best
+
+    @classmethod
+    def of(cls, case: str, impls: dict[str, dict[str, Any]]) -> CaseRatios:
+        cudnn = impls.get("jax.nn cudnn", {})
+        mha = impls.get("jax pallas-triton mha", {})
+        auto = impls.get("ejkfn auto", {})
+        own = {n: r for n, r in impls.items() if n.startswith("ejkfn ") and n != "ejkfn auto"}
+        kernels = {n: r for n, r in own.items() if not n.startswith("ejkfn cudnn")}
+        tokamax = [r for n, r in impls.items() if n.startswith("tokamax ")]
+
+        def fastest(rows: Any, key: str) -> float:
+            return max((r.get(key) or 0 for r in rows), default=0)
+
+        best = {}
+        for p in PASSES:
+            key = f"{p}_tflops"
+            name, row = max(kernels.items(), key=lambda kv: kv[1].get(key) or 0, default=("", {}))
+            best[p] = (_ratio(row.get(key), cudnn.get(key)), name.removeprefix("ejkfn "))
+
+        def versus_mha(name: str) -> dict[str, float | None]:
+            row = impls.get(name, {})
+            return {p: _ratio(row.get(f"{p}_tflops"), mha.get(f"{p}_tflops")) for p in PASSES}
+
+        return cls(
+            head_dim=int(case.split()[0].split("x")[-1]),
+            best=best,
+            auto={
+                p: _ratio(auto.get(f"{p}_tflops"), fastest(own.values(), f"{p}_tflops"))
+                for p in PASSES
+            },
+            triton=versus_mha("ejkfn triton/triton"),
+            pallas_triton=versus_mha("ejkfn pallas/triton"),
+            tokamax={
+                p: _ratio(fastest(kernels.values(), f"{p}_tflops"), fastest(tokamax, f"{p}_tflops"))
+                for p in PASSES
+            },
+        )
+
+
+def ratios_by_case(results: list[dict[str, Any]]) -> dict[str, CaseRatios]:
+    return {case: CaseRatios.of(case, impls) for case, impls in timed_by_case(results).items()}
+
+
 def summary(results: list[dict[str, Any]]) -> str:
     """The goals' view, as a markdown table: ratios measured side by side in this run."""
     lines = [
@@ -528,47 +591,52 @@ def summary(results: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
 
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{a / b:.2f}" if a and b else "-"
+    def text(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
 
-    for case, impls in timed_by_case(results).items():
-        cudnn = impls.get("jax.nn cudnn", {})
-        mha = impls.get("jax pallas-triton mha", {})
-        auto = impls.get("ejkfn auto", {})
-        own = {n: r for n, r in impls.items() if n.startswith("ejkfn ") and n != "ejkfn auto"}
-        kernels = {n: r for n, r in own.items() if not n.startswith("ejkfn cudnn")}
+    for case, r in ratios_by_case(results).items():
         cells = [case]
-        for key in ("fwd_tflops", "fwd_bwd_tflops"):
-            best = max(kernels.items(), key=lambda kv: kv[1].get(key) or 0, default=None)
-            if best is None or not best[1].get(key):
-                cells.append("-")
-                continue
-            name = best[0].removeprefix("ejkfn ")
-            cells.append(f"{ratio(best[1][key], cudnn.get(key))} ({name})")
-        fastest = [
-            max((r.get(k) or 0 for r in own.values()), default=0)
-            for k in ("fwd_tflops", "fwd_bwd_tflops")
-        ]
-        cells.append(
-            f"{ratio(auto.get('fwd_tflops'), fastest[0])}, {ratio(auto.get('fwd_bwd_tflops'), fastest[1])}"
-        )
-        for name in ("ejkfn triton/triton", "ejkfn pallas/triton"):
-            r = impls.get(name, {})
-            cells.append(
-                f"{ratio(r.get('fwd_tflops'), mha.get('fwd_tflops'))}, "
-                f"{ratio(r.get('fwd_bwd_tflops'), mha.get('fwd_bwd_tflops'))}"
-            )
-        tokamax = {n: r for n, r in impls.items() if n.startswith("tokamax ")}
-        cells.append(
-            ", ".join(
-                ratio(
-                    max((r.get(k) or 0 for r in kernels.values()), default=0),
-                    max((r.get(k) or 0 for r in tokamax.values()), default=0),
-                )
-                for k in ("fwd_tflops", "fwd_bwd_tflops")
-            )
-        )
+        for p in PASSES:
+            value, name = r.best[p]
+            cells.append("-" if value is None else f"{text(value)} ({name})")
+        for pair in (r.auto, r.triton, r.pallas_triton, r.tokamax):
+            cells.append(", ".join(text(pair[p]) for p in PASSES))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# The issue's goals: (what, the ratio of a case and pass, the least it may be at head dims above 64
+# and up to 64).
+GOALS: list[tuple[str, Callable[[CaseRatios], float | None], float, float]] = [
+    ("forward >= 1.0x cuDNN (0.9x at head dim <= 64)", lambda r: r.best["fwd"][0], 1.0, 0.9),
+    ("forward+backward >= 1.0x cuDNN", lambda r: r.best["fwd_bwd"][0], 1.0, 1.0),
+    ("ahead of tokamax, forward", lambda r: r.tokamax["fwd"], 1.0, 1.0),
+    ("ahead of tokamax, forward+backward", lambda r: r.tokamax["fwd_bwd"], 1.0, 1.0),
+    ("Triton >= 1.5x mha, forward", lambda r: r.triton["fwd"], 1.5, 1.5),
+    ("Triton >= 2.5x mha, forward+backward", lambda r: r.triton["fwd_bwd"], 2.5, 2.5),
+    ("Pallas-Triton >= 1.5x mha, forward", lambda r: r.pallas_triton["fwd"], 1.5, 1.5),
+    ("Pallas-Triton >= 2.5x mha, forward+backward", lambda r: r.pallas_triton["fwd_bwd"], 2.5, 2.5),
+    ("auto within 3% of the fastest, forward", lambda r: r.auto["fwd"], 0.97, 0.97),
+    ("auto within 3% of the fastest, forward+backward", lambda r: r.auto["fwd_bwd"], 0.97, 0.97),
+]
+
+
+def goals(results: list[dict[str, Any]]) -> str:
+    """Where each goal stands over the results' cases, as a markdown table: the readings that meet
+    it, the lowest ratio, and every miss to three decimals."""
+    lines = ["| goal | met | lowest | below |", "|---|---|---|---|"]
+    by_case = ratios_by_case(results)
+    for what, reading, least, least_d64 in GOALS:
+        values = {case: reading(r) for case, r in by_case.items()}
+        values = {case: v for case, v in values.items() if v is not None}
+        if not values:
+            lines.append(f"| {what} | - | - | |")
+            continue
+        floor = {case: least if by_case[case].head_dim > 64 else least_d64 for case in values}
+        misses = [f"{case}: {v:.3f}" for case, v in values.items() if v < floor[case]]
+        met = len(values) - len(misses)
+        lowest = min(values.values())
+        lines.append(f"| {what} | {met} of {len(values)} | {lowest:.3f} | {'; '.join(misses)} |")
     return "\n".join(lines)
 
 
@@ -627,7 +695,7 @@ def main() -> int:
     if args.tabulate:
         saved = [json.loads(Path(path).read_text()) for path in args.tabulate]
         results = [r for run in saved for r in run["results"]]
-        print(platform_table(results), summary(results), sep="\n\n")
+        print(platform_table(results), summary(results), goals(results), sep="\n\n")
         return 0
     if args.order_seed is None:
         args.order_seed = random.SystemRandom().randrange(2**31)
@@ -757,7 +825,7 @@ def main() -> int:
             f"{case_name:30} {name:30} {cell(f, 'fwd_tflops')} {cell(fb, 'fwd_bwd_tflops')}  {note}"
         )
 
-    print(summary(results))
+    print(summary(results), goals(results), sep="\n\n")
     save(results)
     print(f"\nwrote {path}")
     return 0 if all(r.get("correct", False) for r in results if "error" not in r) else 1

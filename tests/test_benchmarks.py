@@ -334,6 +334,36 @@ def test_platform_table_shows_ratios_to_cudnn_where_the_goals_compare():
     assert cells[7] == "-"  # auto failed: no reading
 
 
+def test_goals_count_readings_with_the_head_dims_floor():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import goals, summary
+
+    def row(case, impl, fwd, both):
+        return dict(case=case, impl=impl, fwd_tflops=fwd, fwd_bwd_tflops=both)
+
+    d128, d64 = "2x8192x16x128", "8x2048x32x64 causal"
+    results = [
+        row(d128, "jax.nn cudnn", 500.0, 400.0),
+        row(d128, "ejkfn pallas/mosaic", 505.0, 396.0),
+        row(d128, "ejkfn cudnn/cudnn", 520.0, 420.0),  # our cuDNN backend: not one of our kernels
+        row(d128, "ejkfn auto", 520.0, 404.0),
+        row(d64, "jax.nn cudnn", 300.0, 300.0),
+        row(d64, "ejkfn pallas/mosaic", 285.0, 310.0),  # 0.95x: enough at head dim 64
+        row(d64, "ejkfn auto", 280.0, 310.0),
+    ]
+    lines = {line.split(" | ")[0].strip("| "): line for line in goals(results).splitlines()}
+    assert lines["forward >= 1.0x cuDNN (0.9x at head dim <= 64)"].endswith("| 2 of 2 | 0.950 |  |")
+    assert lines["forward+backward >= 1.0x cuDNN"].endswith(
+        "| 1 of 2 | 0.990 | 2x8192x16x128: 0.990 |"
+    )
+    # auto against the fastest ejkfn platform, our cuDNN backend included (420)
+    assert lines["auto within 3% of the fastest, forward+backward"].endswith(
+        "| 1 of 2 | 0.962 | 2x8192x16x128: 0.962 |"
+    )
+    assert lines["ahead of tokamax, forward"].endswith("| - | - | |")  # tokamax did not run
+    assert "| 2x8192x16x128 | 1.01 (pallas/mosaic) | 0.99 (pallas/mosaic) |" in summary(results)
+
+
 def test_tune_shipped_times_each_forward_once():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_shipped import distinct_forwards, with_inference
