@@ -8,7 +8,8 @@ interleaved rounds (so drifts of the machine's speed fall on all alike): each ro
 of calls dispatched back to back, after 0.2 s of untimed calls of the same kernel (the clock
 settles on its load), inputs alternating between two random sets, in a new order each round; the
 median over rounds is reported, with its spread (slowest over fastest round); ratios are to cuDNN
-in this run.
+in this run. Where the shapes reach 16k keys and more, a further table sets each implementation's
+ratio at every longer length beside its ratio at 16k (the long-context goal).
 
     python3 benchmarks/mosaic_variants_gpu.py --out "$OUT"           # the table
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --metrics ... --csv \
@@ -366,6 +367,38 @@ def profile(cases: list[Case], args: argparse.Namespace) -> None:
                     jax.block_until_ready(fn(*data[: 4 if backward else 3]))
 
 
+LONG_CONTEXT_BASE = 16384  # the goal: longer sequences at no lower a ratio to cuDNN than this
+
+
+def long_context(rows: list[dict[str, Any]]) -> str:
+    """Each implementation's ratio to cuDNN at every sequence length from ``LONG_CONTEXT_BASE`` on,
+    against its ratio at that length, per head layout, mask and pass (the long-context goal); empty
+    where the run has no such lengths."""
+    series: dict[tuple[str, str, str], dict[int, float]] = {}
+    for r in rows:
+        if "vs_cudnn" not in r:
+            continue
+        shape, _, mask = r["case"].partition(" ")
+        _, seq, layout = shape.split("x", 2)
+        if int(seq) >= LONG_CONTEXT_BASE:
+            key = (f"{layout} {mask}".strip(), r["pass_"], r["impl"])
+            series.setdefault(key, {})[int(seq)] = r["vs_cudnn"]
+    lines = []
+    for (layout, pass_, impl), by_seq in series.items():
+        base = by_seq.get(LONG_CONTEXT_BASE)
+        if base is None or len(by_seq) < 2:
+            continue
+        cells = []
+        for seq, ratio in sorted(by_seq.items())[1:]:
+            verdict = "holds" if ratio >= base else "below"
+            cells.append(f"{seq // 1024}k {ratio:.3f} ({verdict})")
+        lines.append(f"| {layout} | {pass_} | {impl} | {base:.3f} | {', '.join(cells)} |")
+    if not lines:
+        return ""
+    header = f"| heads x dim | pass | impl | at {LONG_CONTEXT_BASE // 1024}k | longer |"
+    return "\n".join([header, "|---|---|---|---|---|", *lines])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -473,6 +506,8 @@ def main() -> int:
         ratio = f"{r['vs_cudnn']:.2f}" if "vs_cudnn" in r else "-"
         err = r.get("max_rel_err_vs_cudnn", float("nan"))
         print(f"| {r['case']} | {r['pass_']} | {r['impl']} | {tf} | {ratio} | {err:.1e} |")
+    if table := long_context(rows):
+        print(f"\nLong context, ratio to cuDNN against {LONG_CONTEXT_BASE // 1024}k:\n{table}")
     print(f"({time.time() - t0:.0f} s)")
     if args.out:
         save_rows(args.out, "mosaic_variants", rows)

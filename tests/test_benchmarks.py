@@ -364,6 +364,28 @@ def test_goals_count_readings_with_the_head_dims_floor():
     assert "| 2x8192x16x128 | 1.01 (pallas/mosaic) | 0.99 (pallas/mosaic) |" in summary(results)
 
 
+def test_long_context_compares_each_length_with_16k():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from mosaic_variants_gpu import long_context
+
+    def row(case, impl, ratio):
+        return dict(case=case, pass_="fwd+bwd", impl=impl, vs_cudnn=ratio)
+
+    rows = [
+        row("2x16384x16x128 causal", "mosaic + fused", 1.005),
+        row("1x32768x16x128 causal", "mosaic + fused", 1.010),
+        row("1x65536x16x128 causal", "mosaic + fused", 0.990),
+        row("4x8192x16x128 causal", "mosaic + fused", 1.2),  # shorter than 16k: not compared
+        row("1x32768x16x128", "mosaic + fused", 1.0),  # no 16k reading without a mask
+        dict(case="1x65536x16x128 causal", pass_="fwd+bwd", impl="cudnn"),  # the baseline itself
+    ]
+    header, rule, line = long_context(rows).splitlines()
+    assert line == (
+        "| 16x128 causal | fwd+bwd | mosaic + fused | 1.005 | 32k 1.010 (holds), 64k 0.990 (below) |"
+    )
+    assert long_context(rows[3:]) == ""
+
+
 def test_tune_shipped_times_each_forward_once():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from tune_shipped import distinct_forwards, with_inference
