@@ -89,9 +89,23 @@ class Case:
     causal: bool
 
     @property
-    def name(self) -> str:
+    def layout(self) -> str:
+        """Heads, head dim and mask: what a case's name says besides batch and length."""
         gqa = f"/{self.kv_heads}kv" if self.kv_heads != self.heads else ""
-        return f"{self.batch}x{self.seq}x{self.heads}{gqa}x{self.dim}{' causal' if self.causal else ''}"
+        return f"{self.heads}{gqa}x{self.dim}{' causal' if self.causal else ''}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch}x{self.seq}x{self.layout}"
+
+    @classmethod
+    def of_name(cls, name: str) -> Case:
+        """The case a saved result's ``name`` stands for."""
+        shape, _, mask = name.partition(" ")
+        batch, seq, heads, dim = shape.split("x")
+        heads, _, kv_heads = heads.partition("/")
+        kv_heads = kv_heads.removesuffix("kv") or heads
+        return cls(int(batch), int(seq), int(heads), int(kv_heads), int(dim), mask == "causal")
 
     def flops(self, backward: bool) -> float:
         f = 4.0 * self.batch * self.heads * self.seq * self.seq * self.dim
@@ -480,6 +494,8 @@ def timed_by_case(results: list[dict[str, Any]]) -> dict[str, dict[str, dict[str
     return by_case
 
 
+PASSES = ("fwd", "fwd_bwd")  # the timed passes, as results name them
+
 # The README's columns: (header, implementation, ratio to cuDNN shown).
 COLUMNS = [
     ("cuDNN", "jax.nn cudnn", False),
@@ -509,7 +525,7 @@ def platform_table(results: list[dict[str, Any]]) -> str:
                 cells.append("-")
                 continue
             parts = []
-            for key in ("fwd_tflops", "fwd_bwd_tflops"):
+            for key in (f"{p}_tflops" for p in PASSES):
                 value, base = r.get(key), cudnn.get(key)
                 text = f"{value:.0f}" if value else "-"
                 parts.append(
@@ -518,9 +534,6 @@ def platform_table(results: list[dict[str, Any]]) -> str:
             cells.append(" / ".join(parts))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-PASSES = ("fwd", "fwd_bwd")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -563,7 +576,7 @@ class CaseRatios:
             return {p: _ratio(row.get(f"{p}_tflops"), mha.get(f"{p}_tflops")) for p in PASSES}
 
         return cls(
-            head_dim=int(case.split()[0].split("x")[-1]),
+            head_dim=Case.of_name(case).dim,
             best=best,
             auto={
                 p: _ratio(auto.get(f"{p}_tflops"), fastest(own.values(), f"{p}_tflops"))

@@ -378,11 +378,9 @@ def long_context(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "vs_cudnn" not in r:
             continue
-        shape, _, mask = r["case"].partition(" ")
-        _, seq, layout = shape.split("x", 2)
-        if int(seq) >= LONG_CONTEXT_BASE:
-            key = (f"{layout} {mask}".strip(), r["pass_"], r["impl"])
-            series.setdefault(key, {})[int(seq)] = r["vs_cudnn"]
+        case = Case.of_name(r["case"])
+        if case.seq >= LONG_CONTEXT_BASE:
+            series.setdefault((case.layout, r["pass_"], r["impl"]), {})[case.seq] = r["vs_cudnn"]
     lines = []
     for (layout, pass_, impl), by_seq in series.items():
         base = by_seq.get(LONG_CONTEXT_BASE)
