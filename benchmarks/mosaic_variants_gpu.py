@@ -275,7 +275,9 @@ def implementations(
                 bp, dkdv_band=band
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
-                dq_persistent = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim)[1]
+                dq_persistent = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim, False)[
+                    1
+                ]
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
                 )
@@ -291,7 +293,9 @@ def implementations(
         impls["one tile per CTA everywhere"] = direct(split, False, (False, False))
     if other_grid and fused and _pallas_mosaic_bwd.supports(case.dim, fused):
         # the fused backward's one kernel on the grid it does not take
-        dkdv, dq = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim)
+        dkdv, dq = _pallas_mosaic_bwd.default_persistent(
+            case.causal, case.dim, case.kv_heads == case.heads
+        )
         grid = "one tile per CTA" if dkdv else "persistent"
         impls[f"mosaic + fused, {grid}"] = direct(fused, bwd_persistent=(not dkdv, dq))
     return impls

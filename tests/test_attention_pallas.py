@@ -1072,15 +1072,18 @@ def test_mosaic_backward_choice():
 
     for d in (64, 96, 128):
         _, bp = _pallas_mosaic.heuristic(shape(d))
-        # GQA: the split one, but the fused one from 4096 keys at head dim 64
+        # GQA: the split one, but the fused one from 2048 keys at head dim 64
         assert bp.variant == ("mosaic_fused" if d == 64 else "mosaic")
-        short = dataclasses.replace(shape(d), seq_q=2048, seq_k=2048)
-        assert _pallas_mosaic.heuristic(short)[1].variant == "mosaic"
+        for seq, fused_leads in ((1024, False), (2048, d == 64)):
+            short = dataclasses.replace(shape(d), seq_q=seq, seq_k=seq)
+            assert _pallas_mosaic.heuristic(short)[1].variant == (
+                "mosaic_fused" if fused_leads else "mosaic"
+            )
         long = dataclasses.replace(shape(d), seq_q=16384, seq_k=16384)
         assert _pallas_mosaic.heuristic(long)[1].variant == (
             "mosaic_fused" if d == 64 else "mosaic"
         )
-        for seq, fused_leads in ((2048, False), (4096, True), (16384, True)):
+        for seq, fused_leads in ((1024, False), (2048, d == 64), (4096, True), (16384, True)):
             no_gqa = dataclasses.replace(shape(d), seq_q=seq, seq_k=seq, kv_heads=16)
             assert _pallas_mosaic.heuristic(no_gqa)[1].variant == (
                 "mosaic_fused" if fused_leads else "mosaic"

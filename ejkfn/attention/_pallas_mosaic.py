@@ -39,9 +39,9 @@ into a float32 accumulator by TMA reduce-add (no dQ kernel; head dims up to 128)
 cuDNN's backward kernel fed this forward's output and ``lse`` (:func:`._cudnn.residual_bwd`; a CUDA
 GPU, ``seq_q == seq_k`` where causal); or ``None``, the Triton-lowering kernels of
 :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The heuristic takes
-``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 4096 keys or more
-(at head dims above 64 without GQA; faster there on an H200), else ``"mosaic"`` where it can; the
-tuner tries them all.
+``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 2048 keys or more
+at head dim 64 and 4096 above (there without GQA; faster there on an H200), else ``"mosaic"`` where
+it can; the tuner tries them all.
 
 Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
 key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
@@ -108,7 +108,8 @@ _SMEM_LIMIT = HOPPER_SMEM_BYTES - 3072
 # 1x65536 (results/mosaic_variants_NVIDIA_H200_20261121-174012.json).
 FWD_ALONG_SEQUENCE = True
 _FINITE_FLOOR = -1e30  # running max starts here, so fully masked rows never compute inf - inf
-FUSED_CAUSAL_KEYS = 4096  # causal, the fused backward from this many keys (see heuristic)
+# Causal, the fused backward from this many keys, by head dim padded to 64 (see heuristic).
+FUSED_CAUSAL_KEYS = {64: 2048, 128: 4096}
 # Causal from this many keys the forward runs one CTA a tile (the heuristic's in clusters of two).
 # The hardware's block scheduler keeps the CTAs at work on neighbouring tiles of one head, which
 # then read its keys and values from HBM about once; the persistent grid's CTAs drift apart along
@@ -793,7 +794,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     2048 (results/mosaic_variants_NVIDIA_H200_20261128-022354.json, -022539.json). With the
     backward's masks built from index vectors (fortieth round) it read at 2048 keys 1.003x the split
     on an H200 and 0.94x on an H100, with GQA 1.009x and 0.99x (mosaic_variants_NVIDIA_H200_
-    20261128-042246.json, ..._H100_80GB_HBM3_20261128-042842.json): the split keeps it there.
+    20261128-042246.json, ..._H100_80GB_HBM3_20261128-042842.json). On one CTA a tile without GQA
+    (forty-second round; it had run on the persistent grid) it read 1.06x the split at 8x2048x32x64
+    causal on an H200, and with GQA (persistent) 1.026x at 8x2048x32(8 kv)x64; at 1024 keys
+    (16x1024x16x64) 0.99x (mosaic_variants_NVIDIA_H200_20261128-075751.json, -080322.json): it
+    takes causal from 2048 keys at head dim 64.
 
     Causal at head dim 64 without GQA the Triton-lowering backward had led the split one by
     1.02-1.10x, until the split's dK/dV kernel went persistent there (benchmarks/NOTES.md,
@@ -812,7 +817,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
     # Causal with GQA the fused kernel led the split at head dim 64, not at 128 (0.99x; docstring).
-    fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS and (d <= 64 or shape.heads == shape.kv_heads)
+    fused_causal = shape.seq_k >= FUSED_CAUSAL_KEYS.get(d, 0) and (
+        d <= 64 or shape.heads == shape.kv_heads
+    )
     return fp, fused if fused and (not shape.spec.causal or fused_causal) else split
 
 

@@ -18,8 +18,8 @@ FlashAttention 3's split, without atomics, after ``delta = rowsum(dout * out)`` 
 Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_grid` (its ring and
 barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
 epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
-measured 0.95-0.97x, and the dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly above
-1.00x; at 128 0.83-0.98x).
+measured 0.95-0.97x, and the split's dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly
+above 1.00x; at 128 0.83-0.98x). The fused kernel runs one CTA per tile where it feeds itself (:func:`default_persistent`).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (128 keys; head dims padded to 128 with 64 query rows a
 block, or to 64 with 128): both warpgroups store their dS^T to a shared, double-buffered tile and
@@ -243,9 +243,8 @@ class _Geom:
         with GQA (32/8 heads) 0.92-0.93x on the H100, so GQA keeps the memory warpgroup
         (benchmarks/NOTES.md, seventeenth round). It runs on the persistent grid too, where ptxas
         spilled 160-172 bytes instead of 8-12 at head dim 128 and forward+backward read 0.90-0.91x
-        one tile a CTA on an H200 (twenty-first round), so at 128 it takes one tile a CTA by
-        default. At head dim 64 it takes the persistent grid, as the split's dK/dV kernel does
-        (:func:`default_persistent`); one tile a CTA has not been timed there."""
+        one tile a CTA on an H200 (twenty-first round), so it takes one tile a CTA by
+        default, at head dim 64 too (:func:`default_persistent`)."""
         return self.fused and self.group == 1
 
     @property
@@ -911,14 +910,20 @@ def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> tuple[bool, bool]:
     return dkdv, True
 
 
-def default_persistent(causal: bool, head_dim: int) -> tuple[bool, bool]:
+def default_persistent(causal: bool, head_dim: int, self_fed: bool) -> tuple[bool, bool]:
     """Which kernels, (dK/dV, dQ), run on the persistent grid by default.
 
     The dQ kernel (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json): 1.03-1.05x at
-    head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The dK/dV kernel,
+    head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The split's dK/dV kernel,
     forward+backward against one CTA a tile (benchmarks/NOTES.md, thirty-fifth round): at head dim
-    64 23 of 27 readings on an H100 and an H200 1.00-1.04x, 4 0.983-0.998x; at 128 0.83-0.98x."""
-    return head_dim <= 64, not (causal and head_dim > 64)
+    64 23 of 27 readings on an H100 and an H200 1.00-1.04x, 4 0.983-0.998x; at 128 0.83-0.98x.
+    The fused kernel feeding itself (:attr:`_Geom.self_fed`) keeps one CTA a tile at every head
+    dim: on the persistent grid at head dim 64 it ran forward+backward 0.94-0.99x that on an H200
+    (8x2048x32x64, 4x4096x32x64, 2x8192x32x64 and 16x1024x16x64, both masks; 1.00x at the last
+    causal), at 128 0.90-0.91x. With GQA (a memory warpgroup) at head dim 64 one CTA a tile ran
+    0.981x and 0.994x the persistent grid at 8x2048x32(8 kv)x64 (results/mosaic_variants_NVIDIA_
+    H200_20261128-075751.json, -080322.json)."""
+    return head_dim <= 64 and not self_fed, not (causal and head_dim > 64)
 
 
 DKDV_BAND = 8  # (batch, kv head) pairs a band of the dK/dV kernel's tiles, where heads go fastest
@@ -1006,7 +1011,11 @@ def _geom(
         kv_heads=kv_heads,
         batch=batch,
         resident=resident_ctas(interpret),
-        persistent=default_persistent(spec.causal, dpad) if persistent is None else persistent,
+        persistent=(
+            default_persistent(spec.causal, dpad, fused and heads == kv_heads)
+            if persistent is None
+            else persistent
+        ),
         along_sequence=order,
         registers_a=not interpret,
         fused=fused,
