@@ -324,15 +324,15 @@ def selected_implementations(
     )
 
 
-# --backward's passes: forward (False), forward+backward (True)
-PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}
+# the passes each --backward choice times: forward (False), forward+backward (True)
+BACKWARD_PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}
 
 
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds."""
     sets = [inputs(case, seed) for seed in (0, 1)]
-    for backward in PASSES[args.backward]:
+    for backward in BACKWARD_PASSES[args.backward]:
         impls = selected_implementations(case, backward, args)
         for row in check_then_time(
             case,
@@ -364,7 +364,7 @@ def profile(cases: list[Case], args: argparse.Namespace) -> None:
     implementation's name goes to stdout before its calls, to match the profiler's kernels."""
     for case in cases:
         data = inputs(case, 0)
-        for backward in PASSES[args.backward]:
+        for backward in BACKWARD_PASSES[args.backward]:
             for name, fn in selected_implementations(case, backward, args).items():
                 print(f"profile: {case.name} {'fwd+bwd' if backward else 'fwd'} {name}", flush=True)
                 for _ in range(2):
@@ -416,7 +416,7 @@ def main() -> int:
         "--fwd-blocks", default="", help="further forwards to time: KEYSxSLOTS,... e.g. 192x2"
     )
     parser.add_argument(
-        "--backward", choices=tuple(PASSES), default="yes", help="only: forward+backward"
+        "--backward", choices=tuple(BACKWARD_PASSES), default="yes", help="only: forward+backward"
     )
     parser.add_argument(
         "--other-grid",
