@@ -275,9 +275,9 @@ def implementations(
                 bp, dkdv_band=band
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
-                dq_persistent = _pallas_mosaic_bwd.default_persistent(case.causal, case.dim, False)[
-                    1
-                ]
+                _, dq_persistent = _pallas_mosaic_bwd.default_persistent(
+                    case.causal, case.dim, False
+                )
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
                 )

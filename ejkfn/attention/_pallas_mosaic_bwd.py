@@ -19,7 +19,8 @@ Either kernel runs one CTA per tile or the persistent grid of :mod:`._mosaic_gri
 barrier phases carried from tile to tile; the next tile's dO, lse and delta loaded under the
 epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
 measured 0.95-0.97x, and the split's dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly
-above 1.00x; at 128 0.83-0.98x). The fused kernel runs one CTA per tile where it feeds itself (:func:`default_persistent`).
+above 1.00x; at 128 0.83-0.98x). The fused kernel runs one CTA per tile where it feeds itself
+(:func:`default_persistent`).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (128 keys; head dims padded to 128 with 64 query rows a
 block, or to 64 with 128): both warpgroups store their dS^T to a shared, double-buffered tile and
