@@ -20,7 +20,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
 from ejkfn.attention._backend import MIRRORED, AttentionShape, backend_for
-from ejkfn.attention._mosaic_grid import Rounds, SplitTail, split_index
+from ejkfn.attention._mosaic_grid import Rounds, SplitTail, order_band, split_index
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -802,7 +802,8 @@ def test_mosaic_tile_orders_cover_every_tile_once():
     batch, heads, ranks = 2, 3, 4
     index = jnp.arange(batch * heads * ranks, dtype=jnp.int32)
     for along_sequence in (True, False):
-        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, along_sequence))
+        band = order_band(along_sequence, batch * heads)
+        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, band))
         triples = set(zip(b.tolist(), h.tolist(), r.tolist(), strict=True))
         assert len(triples) == batch * heads * ranks
         assert b.max() == batch - 1 and h.max() == heads - 1 and r.max() == ranks - 1
@@ -812,13 +813,14 @@ def test_mosaic_tile_orders_cover_every_tile_once():
         else:
             assert (r == np.arange(ranks).repeat(batch * heads)).all()
     for band in (2, 3):  # bands of pairs, heads fastest within a band
-        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, True, band))
+        b, h, r = (np.asarray(a) for a in split_index(index, heads, batch, ranks, band))
         assert len(set(zip(b.tolist(), h.tolist(), r.tolist(), strict=True))) == index.size
         pair = (b * heads + h).reshape(-1, band * ranks)
         assert (pair // band == np.arange(batch * heads // band)[:, None]).all()
         assert (r.reshape(-1, band * ranks) == np.arange(ranks).repeat(band)).all()
-    with pytest.raises(ValueError, match="band=4 must divide the 6"):
-        split_index(index, heads, batch, ranks, True, 4)
+    for band in (4, 0):
+        with pytest.raises(ValueError, match=f"band={band} must be a positive divisor of the 6"):
+            split_index(index, heads, batch, ranks, band)
 
 
 def test_mosaic_rounds_owners_invert_index():

@@ -210,7 +210,9 @@ def query_tile(
     """(batch, head, first query row) of work item ``index`` over tiles of ``rows`` query rows
     (numbered as :func:`split_index` says); causal: the last rows (which see the most keys) first,
     so the light tiles fill the tail."""
-    b, h, rank = split_index(index, heads, batch, q_tiles, along_sequence)
+    b, h, rank = split_index(
+        index, heads, batch, q_tiles, order_band(along_sequence, heads * batch)
+    )
     return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
@@ -246,24 +248,29 @@ def query_tiles_work(
     return np.broadcast_to(steps(base + rows - 1) + 1.0, index.shape)  # no mask: one for all
 
 
-def split_index(
-    index: Any, heads: int, batch: int, ranks: int, along_sequence: bool, band: int = 0
-) -> tuple[Any, Any, Any]:
+def split_index(index: Any, heads: int, batch: int, ranks: int, band: int) -> tuple[Any, Any, Any]:
     """(batch, head, rank) of a work item, ``rank`` being its tile along the sequence (of
-    ``ranks``).
+    ``ranks``), the (batch, head) pairs taken in bands of ``band``, heads fastest within each.
 
-    ``along_sequence``: rank fastest, then head, then batch. The CTAs running at once then work on
-    one or two heads and read the same keys and values, which L2 serves once; the order for tiles of
-    equal work. Else heads fastest, then batch, then rank: a round's tiles sit at about the same
-    rank, which evens out causal tiles' unequal work, but each head's keys and values are shared
-    by only the few CTAs at its ranks. ``band`` (if not 0) overrides both: bands of ``band``
-    (batch, head) pairs in turn, heads fastest within each.
+    ``band=1`` (along the sequence): rank fastest, then head, then batch. The CTAs running at once
+    then work on one or two heads and read the same keys and values, which L2 serves once; the
+    order for tiles of equal work. ``band`` = every pair (heads fastest, then batch, then rank): a
+    round's tiles sit at about the same rank, which evens out causal tiles' unequal work, but each
+    head's keys and values are shared by only the few CTAs at its ranks. Bands in between take
+    some of each (:func:`order_band` gives the two ends).
     """
-    if band and (heads * batch) % band:
-        raise ValueError(f"band={band} must divide the {heads * batch} (batch, head) pairs")
-    band = band or (1 if along_sequence else heads * batch)
+    if band < 1 or (heads * batch) % band:
+        raise ValueError(
+            f"band={band} must be a positive divisor of the {heads * batch} (batch, head) pairs"
+        )
     rank, pair = banded_tile(index, ranks, band)
     return tile_div(pair, heads), tile_rem(pair, heads), rank
+
+
+def order_band(along_sequence: bool, pairs: int) -> int:
+    """The :func:`split_index` band of one of the two plain orders over ``pairs`` (batch, head)
+    pairs: along the sequence (1) or heads fastest (all of them)."""
+    return 1 if along_sequence else pairs
 
 
 def feed_ring(

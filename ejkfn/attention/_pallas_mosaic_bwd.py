@@ -88,6 +88,7 @@ from ._mosaic_grid import (
     full_key_blocks,
     hardware_barrier,
     key_blocks,
+    order_band,
     query_tile,
     query_tiles_work,
     resident_ctas,
@@ -318,14 +319,19 @@ class _Geom:
             return Rounds.of(tiles, self.resident, self.persistent[0])
         return Rounds.balanced(self.dkdv_tile_work(), self.resident, True)
 
+    @property
+    def dkdv_tile_band(self) -> int:
+        """(batch, kv head) pairs a band of the dK/dV kernel's tiles (:func:`split_index`):
+        ``dkdv_band`` where set, else the plain order ``along_sequence[0]`` names."""
+        return self.dkdv_band or order_band(self.along_sequence[0], self.kv_heads * self.batch)
+
     def dkdv_tile_work(self) -> np.ndarray:
         """Each dK/dV tile's work, in work-item order: the query blocks its keys see, once for each
         head of the group, plus one for its epilogue."""
         index = np.arange(self.kv_heads * self.key_tiles * self.batch, dtype=np.int32)
         _, _, rank = split_index(
-            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
-            self.dkdv_band,
-        )  # fmt: skip
+            index, self.kv_heads, self.batch, self.key_tiles, self.dkdv_tile_band
+        )
         return (self.q_blocks - self.first_q_block(rank * self.key_rows)) * self.group + 1.0
 
     @functools.cached_property
@@ -347,9 +353,8 @@ class _Geom:
         first keys (which causal queries see most) first."""
         index = self.dkdv_rounds.index(cta, t)
         b, kvh, rank = split_index(
-            index, self.kv_heads, self.batch, self.key_tiles, self.along_sequence[0],
-            self.dkdv_band,
-        )  # fmt: skip
+            index, self.kv_heads, self.batch, self.key_tiles, self.dkdv_tile_band
+        )
         return b, kvh, rank * self.key_rows
 
     def query_tile(self, cta: Any, t: Any) -> tuple[Any, Any, Any]:
