@@ -276,7 +276,7 @@ def implementations(
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
                 _, dq_persistent = _pallas_mosaic_bwd.default_persistent(
-                    case.causal, case.dim, False
+                    case.causal, case.dim, False, case.heads // case.kv_heads
                 )
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
@@ -294,7 +294,7 @@ def implementations(
     if other_grid and fused and _pallas_mosaic_bwd.supports(case.dim, fused):
         # the fused backward's one kernel on the grid it does not take
         dkdv, dq = _pallas_mosaic_bwd.default_persistent(
-            case.causal, case.dim, case.kv_heads == case.heads
+            case.causal, case.dim, True, case.heads // case.kv_heads
         )
         grid = "one tile per CTA" if dkdv else "persistent"
         impls[f"mosaic + fused, {grid}"] = direct(fused, bwd_persistent=(not dkdv, dq))

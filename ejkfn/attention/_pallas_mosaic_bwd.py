@@ -247,7 +247,7 @@ class _Geom:
         spilled 160-172 bytes instead of 8-12 at head dim 128 and forward+backward read 0.90-0.91x
         one tile a CTA on an H200 (twenty-first round), so it takes one tile a CTA by
         default, at head dim 64 too (:func:`default_persistent`)."""
-        return self.fused and self.group == 1
+        return feeds_itself(self.fused, self.group)
 
     @property
     def early_dv(self) -> bool:
@@ -916,8 +916,15 @@ def _along_sequence(causal: bool, seq_q: int, seq_k: int) -> tuple[bool, bool]:
     return dkdv, True
 
 
-def default_persistent(causal: bool, head_dim: int, self_fed: bool) -> tuple[bool, bool]:
-    """Which kernels, (dK/dV, dQ), run on the persistent grid by default.
+def feeds_itself(fused: bool, group: int) -> bool:
+    """Whether the kernel's compute warpgroups fill its ring themselves: the fused kernel without
+    GQA (query heads a kv head, ``group``, of 1; :attr:`_Geom.self_fed` says why)."""
+    return fused and group == 1
+
+
+def default_persistent(causal: bool, head_dim: int, fused: bool, group: int) -> tuple[bool, bool]:
+    """Which kernels, (dK/dV, dQ), run on the persistent grid by default, for the split
+    (``fused=False``) or the fused backward, ``group`` query heads a kv head.
 
     The dQ kernel (H200, results/mosaic_variants_NVIDIA_H200_20261121-140226.json): 1.03-1.05x at
     head dim 64 and not causal at 128, 0.95-0.97x causal at 128. The split's dK/dV kernel,
@@ -929,7 +936,7 @@ def default_persistent(causal: bool, head_dim: int, self_fed: bool) -> tuple[boo
     causal), at 128 0.90-0.91x. With GQA (a memory warpgroup) at head dim 64 one CTA a tile ran
     0.981x and 0.994x the persistent grid at 8x2048x32(8 kv)x64 (results/mosaic_variants_NVIDIA_
     H200_20261128-075751.json, -080322.json)."""
-    return head_dim <= 64 and not self_fed, not (causal and head_dim > 64)
+    return head_dim <= 64 and not feeds_itself(fused, group), not (causal and head_dim > 64)
 
 
 DKDV_BAND = 8  # (batch, kv head) pairs a band of the dK/dV kernel's tiles, where heads go fastest
@@ -1018,7 +1025,7 @@ def _geom(
         batch=batch,
         resident=resident_ctas(interpret),
         persistent=(
-            default_persistent(spec.causal, dpad, fused and heads == kv_heads)
+            default_persistent(spec.causal, dpad, fused, heads // kv_heads)
             if persistent is None
             else persistent
         ),
