@@ -300,7 +300,7 @@ def bwd(
     common = dict(
         **meta, SDOB=meta["SQB"], SDOS=meta["SQS"], SDOH=meta["SQH"], BLOCK_D=call.block_d
     )
-    dq, delta = launch(
+    dq, delta, lse2 = launch(
         kern.bwd_dq_kernel,
         *call.inputs,
         dout,
@@ -309,6 +309,7 @@ def bwd(
         grid=(_cdiv(call.seq_q, dq_rows), bh),
         out_shapes=(
             jax.ShapeDtypeStruct(q.shape, q.dtype),
+            call.row_stats,
             call.row_stats,
         ),
         num_warps=params.num_warps,
@@ -324,7 +325,7 @@ def bwd(
         kern.bwd_dkdv_kernel,
         *call.inputs,
         dout,
-        lse,
+        lse2,
         delta,
         grid=(_cdiv(call.seq_k, block_k), call.batch * call.kv_heads),
         out_shapes=(

@@ -13,8 +13,9 @@ is a compile-time constant costs nothing and lets Triton prove alignment and vec
 
 Scores are kept in base-2 units (``s * log2(e)``) so that the softmax uses ``exp2``; the returned
 log-sum-exp is in natural units, as the contract says. Masking is applied only on the key blocks
-that need it: with no window, segment ids or mask, a q block first runs over the key blocks it sees
-entirely, then (causal diagonal, ragged last block) over the rest with the visibility mask.
+that need it: with no window, segment ids or mask, a q block runs over the key blocks it sees
+entirely, and (causal diagonal, ragged last block) over the rest with the visibility mask; the
+forward takes the masked blocks first where q and key blocks differ in size (see ``fwd_kernel``).
 """
 
 from typing import no_type_check
@@ -393,6 +394,18 @@ def fwd_kernel(
     lo, hi, full = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
+    # Where q and key blocks differ in size (128 x 64, 64 x 128), the masked blocks (the causal
+    # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
+    # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,
+    # and the interior first ran 2% faster at 4x4096x16x128 causal (NOTES.md, 43rd round).
+    MASKED_FIRST: tl.constexpr = BLOCK_Q != BLOCK_K
+    if MASKED_FIRST:
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+            kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        )  # fmt: skip
     if SPLIT:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
@@ -400,12 +413,13 @@ def fwd_kernel(
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
             HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-        kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-        SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-        HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
-    )  # fmt: skip
+    if not MASKED_FIRST:
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+            kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -432,7 +446,7 @@ def _dkdv_inner(
     cols,
     q_base,
     do_base,
-    lse_base,
+    lse2_base,
     delta_base,
     bias_base,
     mask_base,
@@ -474,9 +488,7 @@ def _dkdv_inner(
         rows = m0 + tl.arange(0, BLOCK_Q)
         q_mask = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_base + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0)
-        lse = tl.load(lse_base + rows, mask=rows < SEQ_Q, other=0.0)
-        # A row with no visible key has lse = -inf; all its scores are masked to -inf too.
-        lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+        lse2 = tl.load(lse2_base + rows, mask=rows < SEQ_Q, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         s_t, t_t = _scores(
             qk_t, rows[None, :], cols[:, None], bias_base, qseg_base, kvseg_base, mask_base,
@@ -515,7 +527,7 @@ def bwd_dkdv_kernel(
     KVSeg,
     Seed,
     DOut,
-    Lse,
+    Lse2,
     Delta,
     DK,
     DV,
@@ -591,7 +603,7 @@ def bwd_dkdv_kernel(
         bh64 = b64 * HEADS + h
         q_base = Q + b64 * SQB + h * SQH
         do_base = DOut + b64 * SDOB + h * SDOH
-        lse_base = Lse + bh64 * SEQ_Q
+        lse2_base = Lse2 + bh64 * SEQ_Q
         delta_base = Delta + bh64 * SEQ_Q
         bias_base = Bias + b64 * SBB + h * SBH
         mask_base = Mask + b64 * SMB + h * SMH
@@ -600,14 +612,14 @@ def bwd_dkdv_kernel(
         # the causal kernel took 1.26x as long at 4x4096x16x128 (ncu; NOTES.md, twenty-third round).
         if SPLIT:
             dk, dv = _dkdv_inner(
-                dk, dv, k, v, b, h, cols, q_base, do_base, lse_base, delta_base, bias_base,
+                dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
                 mask_base, qseg_base, kvseg_base, dbias_base, seed, full, hi, False, HEADS,
                 SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
                 WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
                 DOT_PRECISION, BLOCK_Q, BLOCK_D,
             )  # fmt: skip
         dk, dv = _dkdv_inner(
-            dk, dv, k, v, b, h, cols, q_base, do_base, lse_base, delta_base, bias_base,
+            dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
             mask_base, qseg_base, kvseg_base, dbias_base, seed, lo, full, True, HEADS, SEQ_Q,
             SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
             WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
@@ -707,6 +719,7 @@ def bwd_dq_kernel(
     Out,
     DQ,
     Delta,
+    Lse2,
     HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     SEQ_Q: tl.constexpr,
@@ -750,7 +763,9 @@ def bwd_dq_kernel(
 ):
     """dQ of one query block of one head, looping over the key blocks it sees, and the block's
     ``delta = rowsum(dout * out)`` (float32), which it stores for the dK/dV kernel: read here,
-    beside dout, it costs no pass over out and dout of its own."""
+    beside dout, it costs no pass over out and dout of its own. It stores the rows' lse in base 2
+    too, so that the dK/dV kernel's loop does not convert it at every step (24 of the 229
+    instructions of its step at 8x2048x32x64)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         # The last q blocks see the most keys: start them first so the tail of the grid is short.
@@ -781,7 +796,9 @@ def bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, delta, mask=rows < SEQ_Q)
     lse = tl.load(Lse + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
+    # A row with no visible key has lse = -inf; all its scores are masked to -inf too.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
+    tl.store(Lse2 + bh.to(tl.int64) * SEQ_Q + rows, lse2, mask=rows < SEQ_Q)
     k_base = K + b64 * SKB + kvh * SKH
     v_base = V + b64 * SVB + kvh * SVH
     bias_base = Bias + b64 * SBB + h * SBH

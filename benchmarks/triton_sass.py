@@ -1,0 +1,229 @@
+"""The Triton attention kernels compiled for a Hopper GPU on any machine, GPU or not: registers,
+spills, ptxas's warnings and each loop's instructions, for the configs the heuristic picks.
+
+Each kernel is compiled exactly as the Triton backend launches it (grid constants, blocks and
+pointer alignment as jax-triton passes them), for sm_90a, by Triton's own compiler and the ptxas it
+ships. The loops are read off the SASS (a branch backwards is a loop): their instruction count,
+wgmma instructions (``HGMMA``) and waits on them (``WARPGROUP.DEPBAR``). As many waits as wgmmas is
+ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round).
+
+    python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
+        [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    sys.exit("triton_sass.py compiles the kernels: unset TRITON_INTERPRET")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from attention import MASKS, parse_shapes
+
+from ejkfn import BwdParams, FwdParams
+from ejkfn.attention import AttentionShape, AttentionSpec, _triton
+
+KERNELS = {"fwd": "fwd_kernel", "dq": "bwd_dq_kernel", "dkdv": "bwd_dkdv_kernel"}
+_POINTEE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "i8"}
+_POINTEE |= {"int32": "i32", "uint32": "u32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the backend makes it: what compiling it needs."""
+
+    kernel: Any
+    pointees: tuple[str, ...]  # the Triton element type of each array argument, outputs last
+    num_warps: int
+    num_stages: int
+    constexprs: dict[str, Any]
+
+
+def launches(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> dict[str, Launch]:
+    """name -> the launch of each kernel of a forward and backward at ``shape``, recorded by
+    running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher."""
+    made: dict[str, Launch] = {}
+
+    def record(kernel, *args, grid, out_shapes, num_warps, num_stages, interpret, **kw):
+        del grid, interpret
+        kw.pop("zeroed", None)
+        if any(isinstance(a, (bool, int, float)) for a in args):
+            raise TypeError(f"{kernel.__name__}: scalar arguments are not handled here")
+        types = [np.dtype(a.dtype).name for a in [*args, *out_shapes]]
+        name = next(n for n, k in KERNELS.items() if k == kernel.__name__)
+        pointees = tuple(_POINTEE[t] for t in types)
+        made[name] = Launch(kernel, pointees, num_warps, num_stages, kw)
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
+
+    b, s, h, kvh, d = shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
+    none = (None,) * 5
+    kw = dict(spec=shape.spec, interpret=False)
+    real, _triton.launch = _triton.launch, record
+    try:
+        jax.eval_shape(lambda q, k, v: _triton.fwd(q, k, v, *none, params=fp, **kw), q, kv, kv)
+        jax.eval_shape(
+            lambda q, k, v, o, lse, do: _triton.bwd(q, k, v, *none, o, lse, do, params=bp, **kw),
+            q, kv, kv, q, lse, q,
+        )  # fmt: skip
+    finally:
+        _triton.launch = real
+    return made
+
+
+def _ptxas() -> Path:
+    import triton.backends.nvidia as nvidia
+
+    return Path(nvidia.__file__).parent / "bin" / "ptxas"
+
+
+def compile_sm90(launch: Launch) -> tuple[str, str]:
+    """(ptxas's report of registers, spills and warnings; the SASS) of ``launch`` for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = launch.kernel
+    pointers = iter(launch.pointees)
+    signature = {
+        n: "constexpr" if n in launch.constexprs else "*" + next(pointers) for n in fn.arg_names
+    }
+    constants = {(fn.arg_names.index(n),): v for n, v in launch.constexprs.items()}
+    # jax-triton tells Triton that every buffer is 16-byte aligned; without it loads do not vectorise
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if n not in launch.constexprs
+    }
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        report = subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+        sass = subprocess.run(
+            [_ptxas().with_name("cuobjdump"), "-sass", cubin],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    return report, sass
+
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
+
+
+def loops(sass: str) -> list[dict[str, Any]]:
+    """Each loop of ``sass`` (the code between a branch backwards and its target): its instruction
+    count, wgmmas, waits on them and the most frequent opcodes."""
+    code = [(int(m[1], 16), m[2], m[3]) for m in map(_INSTRUCTION.match, sass.splitlines()) if m]
+    out = []
+    for at, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target is None or int(target[1], 16) >= at:
+            continue
+        body = [o for a, o, _ in code if int(target[1], 16) <= a <= at]
+        kinds = collections.Counter(o.split(".")[0] for o in body)
+        out.append(
+            dict(
+                instructions=len(body),
+                wgmma=kinds["HGMMA"],
+                wgmma_waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
+                common=dict(kinds.most_common(6)),
+            )
+        )
+    return out
+
+
+def inspect(launch: Launch) -> dict[str, Any]:
+    report, sass = compile_sm90(launch)
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return dict(
+        registers=int(registers[1]) if registers else None,
+        spill_bytes=int(spills[1]) if spills else None,
+        warnings=sorted(set(re.findall(r"\((C\d+)\)", report))),
+        loops=loops(sass),
+    )
+
+
+def _params(text: str, cls: type) -> Any:
+    """``"128x64x8x3[xmirrored]"`` as ``cls(q_blocksize, kv_blocksize, num_warps, num_stages, ...)``."""
+    bq, bk, warps, stages, *variant = text.split("x")
+    extra = dict(variant=variant[0]) if variant else {}
+    return cls(
+        q_blocksize=int(bq), kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages),
+        **extra,
+    )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x2048x32x64,4x4096x16x128")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
+    parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args()
+    wanted = args.kernels.split(",")
+    if unknown := set(wanted) - set(KERNELS):
+        parser.error(f"--kernels: {sorted(unknown)} not among {list(KERNELS)}")
+    rows = []
+    for b, s, h, kvh, d in parse_shapes(args.shapes):
+        for causal in MASKS[args.masks]:
+            spec = AttentionSpec(scale=d**-0.5, causal=causal)
+            q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+            k = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+            shape = AttentionShape.of(q, k, spec)
+            fp, bp = _triton.heuristic(shape)
+            fp = _params(args.fwd, FwdParams) if args.fwd else fp
+            bp = _params(args.bwd, BwdParams) if args.bwd else bp
+            case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
+            for name, launch in launches(shape, fp, bp).items():
+                if name not in wanted:
+                    continue
+                blocks = {k: launch.constexprs[k] for k in ("BLOCK_Q", "BLOCK_K")}
+                row = dict(case=case, kernel=name, **blocks, num_warps=launch.num_warps)
+                row |= dict(num_stages=launch.num_stages, **inspect(launch))
+                rows.append(row)
+                print(
+                    f"{case:24} {name:5} {blocks['BLOCK_Q']}x{blocks['BLOCK_K']} "
+                    f"w{launch.num_warps} s{launch.num_stages}: {row['registers']} registers, "
+                    f"{row['spill_bytes']} bytes spilled, warnings {row['warnings'] or 'none'}"
+                )
+                for loop in row["loops"]:
+                    print(
+                        f"    loop: {loop['instructions']} instructions, {loop['wgmma']} wgmma, "
+                        f"{loop['wgmma_waits']} waits; {loop['common']}"
+                    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
