@@ -16,6 +16,7 @@ from ._spec import AttentionSpec
 __all__ = [
     "ALGORITHM",
     "MIRRORED",
+    "MIRRORED_HALF",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
@@ -64,6 +65,11 @@ class AttentionShape:
 # blocks, so a pair that suits dK/dV (a wide resident key block, narrow streamed query blocks)
 # leaves dQ with narrow resident rows.
 MIRRORED = "mirrored"
+# BwdParams.variant of the portable backwards whose dQ kernel keeps half of kv_blocksize rows (at
+# least 16) and streams q_blocksize keys, while the dK/dV kernel keeps kv_blocksize keys: each
+# kernel's best resident block where they differ (Triton at head dim 64: dK/dV keeping 128 keys,
+# dQ 64 rows; NOTES.md, forty-third round).
+MIRRORED_HALF = "mirrored_half"
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
 
@@ -74,8 +80,11 @@ def dq_blocks(params: BwdParams) -> tuple[int, int]:
         return params.q_blocksize, params.kv_blocksize
     if params.variant == MIRRORED:
         return params.kv_blocksize, params.q_blocksize
+    if params.variant == MIRRORED_HALF:
+        return max(params.kv_blocksize // 2, 16), params.q_blocksize
     raise ValueError(
-        f"variant={params.variant!r}: the portable backwards take None or {MIRRORED!r}"
+        f"variant={params.variant!r}: the portable backwards take None, {MIRRORED!r} or "
+        f"{MIRRORED_HALF!r}"
     )
 
 

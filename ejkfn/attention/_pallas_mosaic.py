@@ -67,6 +67,7 @@ from . import _cudnn, _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import (
     CUDNN_BWD,
     MIRRORED,
+    MIRRORED_HALF,
     AttentionBackend,
     AttentionShape,
     register_backend,
@@ -731,10 +732,10 @@ def bwd(
                 f"BwdParams.variant={CUDNN_BWD!r} runs cuDNN's kernel, which has no interpreter"
             )
         return (*_cudnn.residual_bwd(q, k, v, out, lse, dout, spec=spec), None)
-    if params.variant not in (None, MIRRORED):
+    if params.variant not in (None, MIRRORED, MIRRORED_HALF):
         raise ValueError(
             f"BwdParams.variant={params.variant!r} must be one of "
-            f"{(*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD, MIRRORED)} or None"
+            f"{(*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD, MIRRORED, MIRRORED_HALF)} or None"
         )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,

@@ -7,7 +7,8 @@ blocks and also writes ``delta = rowsum(dout * out)`` of its rows; then a dK/dV 
 per (kv block, batch * kv head)) loops over the query heads of its GQA group and their visible q
 blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when there is a bias.
 With ``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
-(:func:`._backend.dq_blocks`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``.
+(:func:`._backend.dq_blocks`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``; with
+``"mirrored_half"`` the dQ kernel keeps half as many rows.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
 head dims that are not powers of two are handled by masked loads and stores. Every feature of
@@ -34,6 +35,7 @@ from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
     MIRRORED,
+    MIRRORED_HALF,
     AttentionBackend,
     AttentionShape,
     dq_blocks,
@@ -388,16 +390,19 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     # portable_sweep_NVIDIA_H200_20261122-002211 and -002627 (forward+backward): at D = 128 both
     # kernels keeping 128 rows and streaming 64 with 8 warps and 3 stages (mirrored) ran
     # 1.02-1.07x the 64 x 64, 4-warp blocks before it, causal and not; at D = 64 mirrored 64 kept
-    # and 32 streamed ran 1.05-1.06x causal, and 64 x 64 with 3 stages stayed fastest without a
-    # mask.
+    # and 32 streamed ran 1.05-1.06x causal (since beaten by mirrored_half, below), and 64 x 64
+    # with 3 stages stayed fastest without a mask.
     d = _block_d(shape.head_dim)
     if d <= 64:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
         # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         if shape.spec.causal:
+            # dK/dV keeping 128 keys and dQ 64 rows, both streaming 32, ran forward+backward
+            # 1.026-1.028x both keeping 64 at 8x2048x32x64 and 2x8192x32x64 causal
+            # (results/revision_ab_NVIDIA_H200_20261128-102233.json)
             bp = BwdParams(
-                q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=3, variant=MIRRORED
+                q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_HALF
             )
         else:
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
@@ -432,7 +437,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for s in (1, 2, 3)
     ]
     bwds += [
-        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=MIRRORED)
+        BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=variant)
+        for variant in (MIRRORED, MIRRORED_HALF)
         for bq, bk in ((32, 64), (32, 128), (64, 128))
         for w in (4, 8)
         for s in (3, 4)
