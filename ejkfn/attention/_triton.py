@@ -399,8 +399,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         if shape.spec.causal:
             # dK/dV keeping 128 keys and dQ 64 rows, both streaming 32, ran forward+backward
-            # 1.026-1.028x both keeping 64 at 8x2048x32x64 and 2x8192x32x64 causal
-            # (results/revision_ab_NVIDIA_H200_20261128-102233.json)
+            # 1.020-1.021x both keeping 64 at 8x2048x32x64 and 2x8192x32x64 causal
+            # (results/revision_ab_NVIDIA_H200_20261128-102809.json)
             bp = BwdParams(
                 q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_HALF
             )
