@@ -1,5 +1,6 @@
 """The Triton attention kernels compiled for a Hopper GPU on any machine, GPU or not: registers,
-spills, ptxas's warnings and each loop's instructions, for the configs the heuristic picks.
+spills, ptxas's warnings and each loop's instructions, in bf16, for the configs the heuristic
+picks (or the blocks given).
 
 Each kernel is compiled exactly as the Triton backend launches it (grid constants, blocks and
 pointer alignment as jax-triton passes them), for sm_90a, by Triton's own compiler and the ptxas it
