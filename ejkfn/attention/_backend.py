@@ -17,6 +17,7 @@ __all__ = [
     "ALGORITHM",
     "MIRRORED",
     "MIRRORED_HALF",
+    "PORTABLE_VARIANTS",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
@@ -70,6 +71,8 @@ MIRRORED = "mirrored"
 # kernel's best resident block where they differ (Triton at head dim 64: dK/dV keeping 128 keys,
 # dQ 64 rows; NOTES.md, forty-third round).
 MIRRORED_HALF = "mirrored_half"
+# The portable backwards' variants besides None (their dQ kernel's blocks: dq_blocks).
+PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF)
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
 
@@ -83,8 +86,8 @@ def dq_blocks(params: BwdParams) -> tuple[int, int]:
     if params.variant == MIRRORED_HALF:
         return max(params.kv_blocksize // 2, 16), params.q_blocksize
     raise ValueError(
-        f"variant={params.variant!r}: the portable backwards take None, {MIRRORED!r} or "
-        f"{MIRRORED_HALF!r}"
+        f"variant={params.variant!r}: the portable backwards take None or one of "
+        f"{PORTABLE_VARIANTS}"
     )
 
 

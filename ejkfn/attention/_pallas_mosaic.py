@@ -66,8 +66,7 @@ from .._registry import BwdParams, FwdParams
 from . import _cudnn, _pallas_gpu, _pallas_mosaic_bwd
 from ._backend import (
     CUDNN_BWD,
-    MIRRORED,
-    MIRRORED_HALF,
+    PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
     register_backend,
@@ -732,10 +731,10 @@ def bwd(
                 f"BwdParams.variant={CUDNN_BWD!r} runs cuDNN's kernel, which has no interpreter"
             )
         return (*_cudnn.residual_bwd(q, k, v, out, lse, dout, spec=spec), None)
-    if params.variant not in (None, MIRRORED, MIRRORED_HALF):
+    if params.variant is not None and params.variant not in PORTABLE_VARIANTS:
         raise ValueError(
             f"BwdParams.variant={params.variant!r} must be one of "
-            f"{(*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD, MIRRORED, MIRRORED_HALF)} or None"
+            f"{(*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD, *PORTABLE_VARIANTS)} or None"
         )
     return _pallas_gpu.bwd(
         q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout,

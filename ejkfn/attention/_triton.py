@@ -36,6 +36,7 @@ from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
     MIRRORED,
     MIRRORED_HALF,
+    PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
     dq_blocks,
@@ -438,7 +439,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     ]
     bwds += [
         BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=variant)
-        for variant in (MIRRORED, MIRRORED_HALF)
+        for variant in PORTABLE_VARIANTS
         for bq, bk in ((32, 64), (32, 128), (64, 128))
         for w in (4, 8)
         for s in (3, 4)
