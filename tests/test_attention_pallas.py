@@ -19,7 +19,13 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import _pallas_gpu, _pallas_mosaic, _pallas_mosaic_bwd, _pallas_tpu
-from ejkfn.attention._backend import MIRRORED, MIRRORED_HALF, AttentionShape, backend_for
+from ejkfn.attention._backend import (
+    MIRRORED,
+    MIRRORED_HALF,
+    MIRRORED_WIDE,
+    AttentionShape,
+    backend_for,
+)
 from ejkfn.attention._mosaic_grid import Rounds, SplitTail, order_band, split_index
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
@@ -178,11 +184,13 @@ def test_triton_matches_reference(name):
 @pytest.mark.parametrize(
     "name", ["causal_gqa_ragged", "causal_q_shorter", "segments_mask", "bias_full_gqa", "dropout"]
 )
-@pytest.mark.parametrize("variant, kv_block", [(MIRRORED, 32), (MIRRORED_HALF, 64)])
+@pytest.mark.parametrize(
+    "variant, kv_block", [(MIRRORED, 32), (MIRRORED_HALF, 64), (MIRRORED_WIDE, 32)]
+)
 def test_triton_mirrored_backward_matches_reference(name, variant, kv_block):
     """dQ with the dK/dV kernel's blocks turned around (32 rows kept, 16 streamed; with
-    mirrored_half half of the dK/dV kernel's 64): ragged lengths pad to other multiples in the two
-    kernels, and dbias comes from the dQ kernel's blocks."""
+    mirrored_half half of the dK/dV kernel's 64; with mirrored_wide 32 streamed): ragged lengths
+    pad to other multiples in the two kernels, and dbias comes from the dQ kernel's blocks."""
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
     _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, bp)
 
@@ -1097,8 +1105,9 @@ def test_mosaic_backward_choice():
         assert fused_heuristic.variant == "mosaic_fused"
         assert _pallas_mosaic_bwd.supports(d, fused_heuristic)
         cands = [bp for _, bp in _pallas_mosaic.candidates(shape(d))]
-        # and the Triton-lowering backward's, its mirrored blocks among them
-        assert {bp.variant for bp in cands} == {"mosaic", "mosaic_fused", None, MIRRORED}
+        # and the Triton-lowering backward's, its mirrored and wide blocks among them
+        variants = {"mosaic", "mosaic_fused", None, MIRRORED, MIRRORED_WIDE}
+        assert {bp.variant for bp in cands} == variants
 
         def blocks(variant, cands=cands):
             return {(bp.kv_blocksize, bp.num_stages) for bp in cands if bp.variant == variant}

@@ -23,7 +23,13 @@ import pytest
 from ejkfn._registry import BwdParams, FwdParams
 from ejkfn._triton_interpret import import_triton
 from ejkfn.attention import _triton as tri
-from ejkfn.attention._backend import MIRRORED, MIRRORED_HALF, AttentionShape, backend_for
+from ejkfn.attention._backend import (
+    MIRRORED,
+    MIRRORED_HALF,
+    MIRRORED_WIDE,
+    AttentionShape,
+    backend_for,
+)
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -221,15 +227,22 @@ def test_head_dims(dim):
 @pytest.mark.parametrize(
     "feature", ["causal", "causal_q_shorter", "causal_k_shorter", "ragged", "window", "everything"]
 )
-@pytest.mark.parametrize("variant, kv_block", [(MIRRORED, 32), (MIRRORED_HALF, 64)])
-def test_mirrored_backward(feature, variant, kv_block):
+@pytest.mark.parametrize(
+    "variant, kv_block, dq",
+    [
+        (MIRRORED, 32, (32, 16, 4)),
+        (MIRRORED_HALF, 64, (32, 16, 4)),
+        (MIRRORED_WIDE, 32, (32, 32, 8)),
+    ],
+)
+def test_mirrored_backward(feature, variant, kv_block, dq):
     """dQ keeping kv_blocksize rows (mirrored; half as many: mirrored_half) and streaming
-    q_blocksize keys: the same gradients, including where the two kernels' diagonal blocks fall
-    differently."""
+    q_blocksize keys (twice as many on twice the warps: mirrored_wide): the same gradients,
+    including where the two kernels' diagonal blocks fall differently."""
     kw = dict(FEATURES[feature])
     args, dout, spec = _case(f"mirrored-{feature}", **kw)
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
-    assert tri.dq_blocks(bp) == (32, 16)
+    assert tri.dq_launch(bp) == dq
     _check(args, dout, spec, bp=bp)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -17,13 +17,15 @@ __all__ = [
     "ALGORITHM",
     "MIRRORED",
     "MIRRORED_HALF",
+    "MIRRORED_WIDE",
     "PORTABLE_VARIANTS",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
     "band_pairs",
     "banded_tile",
-    "dq_blocks",
+    "DqLaunch",
+    "dq_launch",
     "forward_band",
     "on_host",
     "register_backend",
@@ -71,20 +73,35 @@ MIRRORED = "mirrored"
 # kernel's best resident block where they differ (Triton at head dim 64: dK/dV keeping 128 keys,
 # dQ 64 rows; NOTES.md, forty-third round).
 MIRRORED_HALF = "mirrored_half"
-# The portable backwards' variants besides None (their dQ kernel's blocks: dq_blocks).
-PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF)
+# BwdParams.variant of the portable backwards whose dQ kernel keeps kv_blocksize rows on twice
+# num_warps and streams twice q_blocksize keys, while the dK/dV kernel keeps kv_blocksize keys on
+# num_warps. At the power cap a dQ kernel that keeps more rows reads each key block fewer times
+# and runs at a higher clock (Triton at head dim 64 causal, NOTES.md, forty-fourth round).
+MIRRORED_WIDE = "mirrored_wide"
+# The portable backwards' variants besides None (their dQ kernel's launch: dq_launch).
+PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE)
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
 
 
-def dq_blocks(params: BwdParams) -> tuple[int, int]:
-    """(query rows kept, key columns streamed) that ``params`` asks of a portable dQ kernel."""
+class DqLaunch(NamedTuple):
+    """How a portable dQ kernel runs: query rows kept, key columns streamed, warps."""
+
+    rows: int
+    cols: int
+    num_warps: int
+
+
+def dq_launch(params: BwdParams) -> DqLaunch:
+    """The dQ kernel's launch that ``params`` asks of a portable backward."""
     if params.variant is None:
-        return params.q_blocksize, params.kv_blocksize
+        return DqLaunch(params.q_blocksize, params.kv_blocksize, params.num_warps)
     if params.variant == MIRRORED:
-        return params.kv_blocksize, params.q_blocksize
+        return DqLaunch(params.kv_blocksize, params.q_blocksize, params.num_warps)
     if params.variant == MIRRORED_HALF:
-        return max(params.kv_blocksize // 2, 16), params.q_blocksize
+        return DqLaunch(max(params.kv_blocksize // 2, 16), params.q_blocksize, params.num_warps)
+    if params.variant == MIRRORED_WIDE:
+        return DqLaunch(params.kv_blocksize, 2 * params.q_blocksize, 2 * params.num_warps)
     raise ValueError(
         f"variant={params.variant!r}: the portable backwards take None or one of "
         f"{PORTABLE_VARIANTS}"

@@ -33,10 +33,11 @@ from .._platform import on_cuda
 from .._registry import BwdParams, FwdParams
 from ._backend import (
     MIRRORED,
+    MIRRORED_WIDE,
     AttentionBackend,
     AttentionShape,
     banded_tile,
-    dq_blocks,
+    dq_launch,
     forward_band,
     register_backend,
     shrink_to_fit,
@@ -724,12 +725,13 @@ def bwd(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Backward pass: ``(dq, dk, dv, dbias)``; dbias is shaped like ``bias`` (None without one).
     ``params.variant="mirrored"`` gives the dQ kernel the dK/dV kernel's blocks turned around
-    (:func:`._backend.dq_blocks`)."""
+    (:func:`._backend.dq_launch`, which also says what the other variants ask)."""
     params = params or BwdParams()
     _check(spec, bias, mask, q_seg, seed)
     interpret = _resolve_interpret(interpret)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize, interpret)
-    gq = _geom(q, k, bias, mask, spec, *dq_blocks(params), interpret)  # the dQ kernel's blocks
+    dq_run = dq_launch(params)
+    gq = _geom(q, k, bias, mask, spec, dq_run.rows, dq_run.cols, interpret)
     # Rows that see no key have lse = -inf; +inf makes their probabilities exactly 0 in the kernels.
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E).astype(jnp.float32)
     cp = _compiler_params(params)
@@ -782,7 +784,7 @@ def bwd(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=cp,
+        compiler_params=dataclasses.replace(cp, num_warps=dq_run.num_warps),
         interpret=interpret,
         name="ejkfn_flash_bwd_dq",
     )(*padded(gq, _pad_qkv(gq, out.astype(q.dtype), gq.sqp)))
@@ -874,7 +876,7 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
         return smem <= _SMEM_LIMIT
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item, pair, resident=2)
-    rows, cols = dq_blocks(p)
+    rows, cols, _ = dq_launch(p)
     dq = _smem_bytes(rows, cols, dpad, p.num_stages, item, pair, resident=2)
     return max(dkdv, dq) <= _SMEM_LIMIT
 
@@ -902,13 +904,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     1.00-1.07x the 64 x 64, 4-warp blocks kept before; at D = 64 mirrored 128 kept and 32
     streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages. With a float32 bias the mirrored blocks
     fit one stage, and 64 x 64 with 3 ran 1.15-1.21x them
-    (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json).
+    (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json). At D = 64 the dQ kernel then
+    streaming 64 keys on 8 warps (mirrored_wide) ran 1.022-1.037x at 8x2048x32 and 2x8192x32,
+    causal and not (results/revision_ab_NVIDIA_H200_20261128-115536.json).
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
         bp = BwdParams(
-            q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED
+            q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_WIDE
         )
     elif d <= 128:
         warps = 8 if shape.spec.causal else 4
@@ -945,6 +949,11 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     bwds += [
         BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=MIRRORED)
         for bq, bk, w in ((32, 64, 4), (32, 128, 4), (64, 128, 8))
+        for s in (2, 3, 4)
+    ]
+    bwds += [
+        BwdParams(q_blocksize=32, kv_blocksize=bk, num_warps=4, num_stages=s, variant=MIRRORED_WIDE)
+        for bk in (64, 128)
         for s in (2, 3, 4)
     ]
     heur = heuristic(shape)

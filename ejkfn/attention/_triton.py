@@ -7,8 +7,9 @@ blocks and also writes ``delta = rowsum(dout * out)`` of its rows; then a dK/dV 
 per (kv block, batch * kv head)) loops over the query heads of its GQA group and their visible q
 blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles when there is a bias.
 With ``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
-(:func:`._backend.dq_blocks`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``; with
-``"mirrored_half"`` the dQ kernel keeps half as many rows.
+(:func:`._backend.dq_launch`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``; with
+``"mirrored_half"`` the dQ kernel keeps half as many rows, with ``"mirrored_wide"`` it streams twice
+as many keys on twice the warps.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
 head dims that are not powers of two are handled by masked loads and stores. Every feature of
@@ -35,11 +36,11 @@ from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
     MIRRORED,
-    MIRRORED_HALF,
+    MIRRORED_WIDE,
     PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
-    dq_blocks,
+    dq_launch,
     forward_band,
     register_backend,
     shrink_to_fit,
@@ -291,9 +292,9 @@ def bwd(
     call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
-    rows, cols = dq_blocks(params)
-    dq_rows = _clamp_block(rows, call.seq_q, "dQ rows")
-    dq_cols = _clamp_block(cols, call.seq_k, "dQ columns")
+    dq_run = dq_launch(params)
+    dq_rows = _clamp_block(dq_run.rows, call.seq_q, "dQ rows")
+    dq_cols = _clamp_block(dq_run.cols, call.seq_k, "dQ columns")
     kern = _kernels(interpret)
     meta = call.meta
     dout = dout.astype(q.dtype)
@@ -315,7 +316,7 @@ def bwd(
             call.row_stats,
             call.row_stats,
         ),
-        num_warps=params.num_warps,
+        num_warps=dq_run.num_warps,
         num_stages=params.num_stages,
         interpret=interpret,
         BLOCK_Q=dq_rows,
@@ -375,9 +376,13 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
         values = (bq * d + bq * bk) / threads
         return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
     # dK/dV keeps k, v blocks and streams q, do; dQ keeps its rows of q, do and streams k, v
-    rows, cols = dq_blocks(p)
+    rows, cols, dq_warps = dq_launch(p)
+    if dq_warps > 8:
+        return False  # two warpgroups at most: a 128-row dQ block on more splits its products
     smem = item * d * max(2 * bk + 2 * bq * stages, 2 * rows + 2 * cols * stages)
-    values = max(2 * bk * d, bq * d) / threads + bq * bk / threads
+    values = max(
+        (max(2 * bk * d, bq * d) + bq * bk) / threads, (rows * d + rows * cols) / (32 * dq_warps)
+    )
     return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
 
@@ -399,11 +404,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         if shape.spec.causal:
-            # dK/dV keeping 128 keys and dQ 64 rows, both streaming 32, ran forward+backward
-            # 1.020-1.021x both keeping 64 at 8x2048x32x64 and 2x8192x32x64 causal
-            # (results/revision_ab_NVIDIA_H200_20261128-102809.json)
+            # dK/dV keeping 128 keys on 4 warps and streaming 32; dQ keeping 128 rows on 8 and
+            # streaming 64. Forward+backward 1.008-1.044x dQ keeping 64 rows on 4 warps
+            # (mirrored_half) at 8x2048x32x64 and 2x8192x32x64 causal, alone about as fast but at
+            # the power cap clocked higher (results/revision_ab_NVIDIA_H200_20261128-114527.json,
+            # -114930.json); mirrored_half had run 1.020-1.021x both keeping 64 (-102809.json).
             bp = BwdParams(
-                q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_HALF
+                q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_WIDE
             )
         else:
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
