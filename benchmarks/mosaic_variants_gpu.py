@@ -183,7 +183,7 @@ def implementations(
             impls[f"mosaic, {other}"] = forward(module)
 
         if other_grid:  # persistent or one CTA a tile, whichever the shape does not take
-            persistent = not _pallas_mosaic.default_persistent(case.causal, case.seq)
+            persistent = not _pallas_mosaic.forward_persistent(case.causal, case.seq)
             grid = "persistent" if persistent else "one tile per CTA"
             impls[f"mosaic {grid}"] = forward(persistent=persistent)
             for fp in fwds:
@@ -275,7 +275,7 @@ def implementations(
                 bp, dkdv_band=band
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
-                _, dq_persistent = _pallas_mosaic_bwd.default_persistent(
+                _, dq_persistent = _pallas_mosaic_bwd.backward_persistent(
                     case.causal, case.dim, False, case.heads // case.kv_heads
                 )
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
@@ -293,7 +293,7 @@ def implementations(
         impls["one tile per CTA everywhere"] = direct(split, False, (False, False))
     if other_grid and fused and _pallas_mosaic_bwd.supports(case.dim, fused):
         # the fused backward's one kernel on the grid it does not take
-        dkdv, dq = _pallas_mosaic_bwd.default_persistent(
+        dkdv, dq = _pallas_mosaic_bwd.backward_persistent(
             case.causal, case.dim, True, case.heads // case.kv_heads
         )
         grid = "one tile per CTA" if dkdv else "persistent"
@@ -422,7 +422,7 @@ def main() -> int:
         "--other-grid",
         action="store_true",
         help="also the forwards (the heuristic's, each of --fwd-blocks) on the grid the shape does "
-        "not take (_pallas_mosaic.default_persistent), the split backward's other grids and the "
+        "not take (_pallas_mosaic.forward_persistent), the split backward's other grids and the "
         "fused one's other grid",
     )
     parser.add_argument(

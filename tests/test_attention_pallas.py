@@ -485,7 +485,7 @@ def test_mosaic_forward_grid_and_cluster_choice():
     for seq, causal, one_tile in (
         (keys, True, True), (4 * keys, True, True), (keys // 2, True, False), (keys, False, False),
     ):  # fmt: skip
-        assert _pallas_mosaic.default_persistent(causal, seq) is not one_tile
+        assert _pallas_mosaic.forward_persistent(causal, seq) is not one_tile
         for d in (64, 128):
             fp = _pallas_mosaic.heuristic(shape(seq, causal, d))[0]
             assert fp.q_blocksize == (256 if one_tile else 128)

@@ -275,11 +275,11 @@ def test_sparing_sms_keeps_the_long_causal_forward_persistent():
     from ejkfn.attention import _mosaic_grid, _pallas_mosaic
 
     keys = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
-    assert not _pallas_mosaic.default_persistent(True, keys)
+    assert not _pallas_mosaic.forward_persistent(True, keys)
     with _mosaic_grid.sparing_sms(8):
-        assert _pallas_mosaic.default_persistent(True, keys)
+        assert _pallas_mosaic.forward_persistent(True, keys)
     with _mosaic_grid.sparing_sms(0):
-        assert not _pallas_mosaic.default_persistent(True, keys)
+        assert not _pallas_mosaic.forward_persistent(True, keys)
 
 
 def test_only_undifferentiated_rings_spare_multiprocessors(key, monkeypatch):

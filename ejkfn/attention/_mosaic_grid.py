@@ -47,7 +47,7 @@ _SPARED_SMS = contextvars.ContextVar("spared_sms", default=0)
 @contextlib.contextmanager
 def sparing_sms(count: int) -> Iterator[None]:
     """Persistent grids planned (traced) in here leave ``count`` multiprocessors free (and kernels
-    that would take one CTA a tile keep a persistent grid: ``_pallas_mosaic.default_persistent``).
+    that would take one CTA a tile keep a persistent grid: ``_pallas_mosaic.forward_persistent``).
 
     A persistent kernel holds every multiprocessor until it ends, so a collective's kernel that
     XLA runs beside it (ring attention's transfers) waits for the end instead of overlapping it

@@ -509,7 +509,7 @@ def _one_tile_grid(causal: bool, seq_k: int) -> bool:
     return causal and seq_k >= ONE_TILE_CAUSAL_KEYS
 
 
-def default_persistent(causal: bool, seq_k: int) -> bool:
+def forward_persistent(causal: bool, seq_k: int) -> bool:
     """Whether the forward takes the persistent grid: all but :func:`_one_tile_grid`'s shapes, and
     those too where SMs are being spared (``_mosaic_grid.sparing_sms``, ring attention's transfers),
     which a grid of one CTA a tile would take."""
@@ -587,7 +587,7 @@ def _forward(
         heads=heads,
         batch=batch,
         resident=resident_ctas(_interpreting(interpret)),
-        persistent=default_persistent(spec.causal, seq_k) if persistent is None else persistent,
+        persistent=forward_persistent(spec.causal, seq_k) if persistent is None else persistent,
         along_sequence=FWD_ALONG_SEQUENCE if along_sequence is None else along_sequence,
         fused_pv=not _interpreting(interpret),
         pingpong=pingpong,

@@ -20,7 +20,7 @@ barrier phases carried from tile to tile; the next tile's dO, lse and delta load
 epilogue). By default the dQ kernel is persistent except causal at head dims above 64, where it
 measured 0.95-0.97x, and the split's dK/dV kernel only at head dims up to 64 (0.98-1.04x, mostly
 above 1.00x; at 128 0.83-0.98x). The fused kernel runs one CTA per tile where it feeds itself
-(:func:`default_persistent`).
+(:func:`backward_persistent`).
 
 ``"mosaic_fused"`` runs the dK/dV kernel alone (128 keys; head dims padded to 128 with 64 query rows a
 block, or to 64 with 128): both warpgroups store their dS^T to a shared, double-buffered tile and
@@ -246,7 +246,7 @@ class _Geom:
         (benchmarks/NOTES.md, seventeenth round). It runs on the persistent grid too, where ptxas
         spilled 160-172 bytes instead of 8-12 at head dim 128 and forward+backward read 0.90-0.91x
         one tile a CTA on an H200 (twenty-first round), so it takes one tile a CTA by
-        default, at head dim 64 too (:func:`default_persistent`)."""
+        default, at head dim 64 too (:func:`backward_persistent`)."""
         return feeds_itself(self.fused, self.group)
 
     @property
@@ -922,7 +922,7 @@ def feeds_itself(fused: bool, group: int) -> bool:
     return fused and group == 1
 
 
-def default_persistent(causal: bool, head_dim: int, fused: bool, group: int) -> tuple[bool, bool]:
+def backward_persistent(causal: bool, head_dim: int, fused: bool, group: int) -> tuple[bool, bool]:
     """Which kernels, (dK/dV, dQ), run on the persistent grid by default, for the split
     (``fused=False``) or the fused backward, ``group`` query heads a kv head.
 
@@ -1025,7 +1025,7 @@ def _geom(
         batch=batch,
         resident=resident_ctas(interpret),
         persistent=(
-            default_persistent(spec.causal, dpad, fused, heads // kv_heads)
+            backward_persistent(spec.causal, dpad, fused, heads // kv_heads)
             if persistent is None
             else persistent
         ),
