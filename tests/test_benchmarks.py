@@ -127,7 +127,8 @@ def test_mosaic_variants_times_the_portable_backward_and_banded_grids(tmp_path):
         for kernel in ("split", "fused")
         for grid in ("tiles", "persistent")
     ]
-    expected = {"cudnn", "mosaic + mirrored", "mosaic + split", "mosaic + fused", *banded}
+    # (the Triton-lowering backward named by its heuristic's variant at head dim 64)
+    expected = {"cudnn", "mosaic + mirrored_wide", "mosaic + split", "mosaic + fused", *banded}
     assert set(checked) == expected
     assert all(err < 2e-2 for err in checked.values())
 
