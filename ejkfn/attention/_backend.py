@@ -71,7 +71,7 @@ MIRRORED = "mirrored"
 # BwdParams.variant of the portable backwards whose dQ kernel keeps half of kv_blocksize rows (at
 # least 16) and streams q_blocksize keys, while the dK/dV kernel keeps kv_blocksize keys: each
 # kernel's best resident block where they differ (Triton at head dim 64: dK/dV keeping 128 keys,
-# dQ 64 rows; NOTES.md, forty-third round).
+# dQ 64 rows; NOTES.md, forty-third round), until mirrored_wide's dQ kernel on 8 warps beat it.
 MIRRORED_HALF = "mirrored_half"
 # BwdParams.variant of the portable backwards whose dQ kernel keeps kv_blocksize rows on twice
 # num_warps and streams twice q_blocksize keys, while the dK/dV kernel keeps kv_blocksize keys on

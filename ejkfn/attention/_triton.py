@@ -396,8 +396,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     # portable_sweep_NVIDIA_H200_20261122-002211 and -002627 (forward+backward): at D = 128 both
     # kernels keeping 128 rows and streaming 64 with 8 warps and 3 stages (mirrored) ran
     # 1.02-1.07x the 64 x 64, 4-warp blocks before it, causal and not; at D = 64 mirrored 64 kept
-    # and 32 streamed ran 1.05-1.06x causal (since beaten by mirrored_half, below), and 64 x 64
-    # with 3 stages stayed fastest without a mask.
+    # and 32 streamed ran 1.05-1.06x causal (since beaten by mirrored_half, then mirrored_wide,
+    # below), and 64 x 64 with 3 stages stayed fastest without a mask.
     d = _block_d(shape.head_dim)
     if d <= 64:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
