@@ -10,6 +10,10 @@ ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round)
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
         [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored] [--json FILE]
+
+``--ptx FILE...`` reads PTX built elsewhere the same way: XLA's build of the Pallas-Triton kernels,
+kept on a GPU by ``benchmarks/xla_ptxas/ptxas``. Its ``.version`` is lowered to what this ptxas
+takes where it is newer. Each loop also counts its async-proxy fences (``FENCE.VIEW.ASYNC``).
 """
 
 from __future__ import annotations
@@ -120,18 +124,29 @@ def compile_sm90(launch: Launch) -> tuple[str, str]:
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
     )
+    return assemble(compiled.asm["ptx"])
+
+
+def assemble(ptx_text: str) -> tuple[str, str]:
+    """(ptxas's report, the SASS) of PTX for sm_90a, by the ptxas Triton ships."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run(
-            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+        ptx.write_text(ptx_text)
+        done = subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", ptx, "-o", cubin], capture_output=True, text=True
+        )
+        newest = re.search(
+            r"Unsupported \.version ([\d.]+); current version is '([\d.]+)'", done.stderr
+        )
+        if newest:  # PTX from a newer toolkit (XLA's): this ptxas's ISA has what the kernels use
+            return assemble(ptx_text.replace(f".version {newest[1]}", f".version {newest[2]}", 1))
+        if done.returncode:
+            raise RuntimeError(f"ptxas failed: {done.stderr.strip()}")
         sass = subprocess.run(
             [_ptxas().with_name("cuobjdump"), "-sass", cubin],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
-    return report, sass
+    return done.stderr, sass
 
 
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
@@ -153,6 +168,7 @@ def loops(sass: str) -> list[dict[str, Any]]:
                 instructions=len(body),
                 wgmma=kinds["HGMMA"],
                 wgmma_waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
+                fences=sum(o.startswith("FENCE.VIEW.ASYNC") for o in body),
                 common=dict(kinds.most_common(6)),
             )
         )
@@ -160,15 +176,34 @@ def loops(sass: str) -> list[dict[str, Any]]:
 
 
 def inspect(launch: Launch) -> dict[str, Any]:
-    report, sass = compile_sm90(launch)
-    registers = re.search(r"Used (\d+) registers", report)
-    spills = re.search(r"(\d+) bytes spill stores", report)
+    return report(*compile_sm90(launch))
+
+
+def report(ptxas_output: str, sass: str) -> dict[str, Any]:
+    """Registers, spills, ptxas's warnings and the loops, from ptxas's output and the SASS."""
+    registers = re.search(r"Used (\d+) registers", ptxas_output)
+    spills = re.search(r"(\d+) bytes spill stores", ptxas_output)
     return dict(
         registers=int(registers[1]) if registers else None,
         spill_bytes=int(spills[1]) if spills else None,
-        warnings=sorted(set(re.findall(r"\((C\d+)\)", report))),
+        warnings=sorted(set(re.findall(r"\((C\d+)\)", ptxas_output))),
         loops=loops(sass),
     )
+
+
+def _summary(row: dict[str, Any]) -> str:
+    return (
+        f"{row['registers']} registers, {row['spill_bytes']} bytes spilled, "
+        f"warnings {row['warnings'] or 'none'}"
+    )
+
+
+def _print_loops(row: dict[str, Any]) -> None:
+    for loop in row["loops"]:
+        print(
+            f"    loop: {loop['instructions']} instructions, {loop['wgmma']} wgmma, "
+            f"{loop['wgmma_waits']} waits, {loop['fences']} fences; {loop['common']}"
+        )
 
 
 def _params(text: str, cls: type) -> Any:
@@ -189,7 +224,19 @@ def main() -> int:
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
     parser.add_argument("--json", default="", help="also write the rows to this file")
+    parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
+    if args.ptx:
+        rows = [
+            dict(ptx=Path(path).name, **report(*assemble(Path(path).read_text())))
+            for path in args.ptx
+        ]
+        for row in rows:
+            print(f"{row['ptx']}: {_summary(row)}")
+            _print_loops(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     wanted = args.kernels.split(",")
     if unknown := set(wanted) - set(KERNELS):
         parser.error(f"--kernels: {sorted(unknown)} not among {list(KERNELS)}")
@@ -213,14 +260,9 @@ def main() -> int:
                 rows.append(row)
                 print(
                     f"{case:24} {name:5} {blocks['BLOCK_Q']}x{blocks['BLOCK_K']} "
-                    f"w{launch.num_warps} s{launch.num_stages}: {row['registers']} registers, "
-                    f"{row['spill_bytes']} bytes spilled, warnings {row['warnings'] or 'none'}"
+                    f"w{launch.num_warps} s{launch.num_stages}: {_summary(row)}"
                 )
-                for loop in row["loops"]:
-                    print(
-                        f"    loop: {loop['instructions']} instructions, {loop['wgmma']} wgmma, "
-                        f"{loop['wgmma_waits']} waits; {loop['common']}"
-                    )
+                _print_loops(row)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -546,3 +546,84 @@ def test_same_programs_tells_equal_kernels_from_changed_ones(tmp_path):
     edited.write_text(source.replace("_MEMORY_REGISTERS = 24", "_MEMORY_REGISTERS = 32"))
     changed = _run("same_programs.py", "--other-bwd", str(edited), *shape, returncode=1)
     assert "| split backward | 2 | kernel 0: " in changed
+
+
+_PTX_WITH_LOOPS = """\
+.version 9.0
+.visible .entry {name}(
+)
+{{
+\tst.shared.b32 [%r1], %r2;
+$L__BB0_1:
+\tcp.async.wait_group 1;
+\tfence.proxy.async.shared::cta;
+\twgmma.fence.sync.aligned;
+\tfence.proxy.async.shared::cta;
+\t@%p1 bra $L__BB0_1;
+$L__BB0_2:
+\tst.shared.b32 [%r3], %r4;
+\tfence.proxy.async.shared::cta;
+\t@%p2 bra $L__BB0_2;
+\tret;
+}}
+"""
+
+
+def test_xla_ptxas_keeps_the_ptx_and_hoists_fences_out_of_loops_that_store_nothing(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "ptxas").write_text(
+        f'#!/bin/sh\n[ -f "$1" ] && cp "$1" {tmp_path}/assembled.ptx\necho ptxas-ran "$@"\n'
+    )
+    (real / "ptxas").chmod(0o755)
+    wrapper = ROOT / "benchmarks" / "xla_ptxas"
+    env = child_env() | {"PATH": f"{wrapper}:{real}:/usr/bin:/bin"}
+    env |= {"EJKFN_PTX_DIR": str(tmp_path / "kept"), "EJKFN_HOIST_FENCES": "_nf"}
+    for name in ("kernel_nf", "kernel"):
+        source = tmp_path / f"{name}.in"
+        source.write_text(_PTX_WITH_LOOPS.format(name=name))
+        done = subprocess.run(
+            [str(wrapper / "ptxas"), str(source), "-o", "x.cubin"], env=env, capture_output=True,
+            text=True, check=True,
+        )  # fmt: skip
+        assert "ptxas-ran" in done.stdout and "-o x.cubin" in done.stdout
+        assembled = (tmp_path / "assembled.ptx").read_text()
+        assert (tmp_path / "kept" / f"{name}.ptx").read_text() == assembled
+        first, second = assembled.split("$L__BB0_2:")
+        if name == "kernel":  # not named for it: untouched
+            assert assembled == source.read_text()
+            continue
+        # the first loop stores nothing: its two fences become one before it
+        assert first.count("fence.proxy.async") == 1
+        assert "\tfence.proxy.async.shared::cta;\n$L__BB0_1:" in first
+        assert second.count("fence.proxy.async") == 1  # the second stores: its fence stays
+    fences = (tmp_path / "kept" / "fences.txt").read_text()
+    assert fences == "kernel_nf: 2 fences out of 1 loops\n"
+    # without a file to assemble, it is the real ptxas
+    version = subprocess.run(
+        [str(wrapper / "ptxas"), "--version"], env=env, capture_output=True, text=True, check=True
+    )
+    assert version.stdout.strip() == "ptxas-ran --version"
+
+
+def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
+    ptx = tmp_path / "tiny_loop.ptx"
+    ptx.write_text(
+        ".version 9.0\n.target sm_90a\n.address_size 64\n"
+        ".visible .entry tiny_loop(.param .u32 tiny_loop_param_0)\n{\n"
+        "\t.reg .pred %p<2>;\n\t.reg .b32 %r<4>;\n"
+        "\tld.param.u32 %r2, [tiny_loop_param_0];\n\tmov.u32 %r1, 0;\n"
+        "$L__BB0_1:\n\tfence.proxy.async.shared::cta;\n\tadd.s32 %r1, %r1, 1;\n"
+        "\tsetp.lt.s32 %p1, %r1, %r2;\n\t@%p1 bra $L__BB0_1;\n\tret;\n}\n"
+    )
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_sass.py"), "--ptx", str(ptx), "--json", str(tmp_path / "rows.json")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    [row] = json.loads((tmp_path / "rows.json").read_text())
+    assert row["ptx"] == "tiny_loop.ptx" and row["spill_bytes"] == 0
+    [loop] = row["loops"]  # the fence stays in the loop, once per unrolled copy
+    assert loop["fences"] >= 1 and loop["wgmma"] == 0
