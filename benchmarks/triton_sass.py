@@ -138,8 +138,11 @@ def assemble(ptx_text: str) -> tuple[str, str]:
         newest = re.search(
             r"Unsupported \.version ([\d.]+); current version is '([\d.]+)'", done.stderr
         )
-        if newest:  # PTX from a newer toolkit (XLA's): this ptxas's ISA has what the kernels use
-            return assemble(ptx_text.replace(f".version {newest[1]}", f".version {newest[2]}", 1))
+        older = (
+            ptx_text.replace(f".version {newest[1]}", f".version {newest[2]}", 1) if newest else ""
+        )
+        if older and older != ptx_text:  # a newer toolkit's (XLA's): the kernels use no newer ISA
+            return assemble(older)
         if done.returncode:
             raise RuntimeError(f"ptxas failed: {done.stderr.strip()}")
         sass = subprocess.run(
