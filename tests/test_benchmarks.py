@@ -597,6 +597,7 @@ def test_xla_ptxas_keeps_the_ptx_and_hoists_fences_out_of_loops_that_store_nothi
         assert first.count("fence.proxy.async") == 1
         assert "\tfence.proxy.async.shared::cta;\n$L__BB0_1:" in first
         assert second.count("fence.proxy.async") == 1  # the second stores: its fence stays
+    assert not list(tmp_path.glob("*.hoisted"))  # the edited copy goes once assembled
     fences = (tmp_path / "kept" / "fences.txt").read_text()
     assert fences == "kernel_nf: 2 fences out of 1 loops\n"
     # without a file to assemble, it is the real ptxas
