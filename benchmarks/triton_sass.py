@@ -138,11 +138,8 @@ def assemble(ptx_text: str) -> tuple[str, str]:
         newest = re.search(
             r"Unsupported \.version ([\d.]+); current version is '([\d.]+)'", done.stderr
         )
-        older = (
-            ptx_text.replace(f".version {newest[1]}", f".version {newest[2]}", 1) if newest else ""
-        )
-        if older and older != ptx_text:  # a newer toolkit's (XLA's): the kernels use no newer ISA
-            return assemble(older)
+        if newest and newest[1] != newest[2]:  # a newer toolkit's (XLA's): no newer ISA is used
+            return assemble(ptx_text.replace(f".version {newest[1]}", f".version {newest[2]}", 1))
         if done.returncode:
             raise RuntimeError(f"ptxas failed: {done.stderr.strip()}")
         sass = subprocess.run(
