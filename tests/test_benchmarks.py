@@ -564,6 +564,12 @@ $L__BB0_2:
 \tst.shared.b32 [%r3], %r4;
 \tfence.proxy.async.shared::cta;
 \t@%p2 bra $L__BB0_2;
+$L__BB0_3:
+\tcp.async.wait_group 1;
+\tbar.sync 0;
+\twgmma.fence.sync.aligned;
+\twgmma.fence.sync.aligned;
+\t@%p3 bra $L__BB0_3;
 \tret;
 }}
 """
@@ -597,14 +603,35 @@ def test_xla_ptxas_keeps_the_ptx_and_hoists_fences_out_of_loops_that_store_nothi
         assert first.count("fence.proxy.async") == 1
         assert "\tfence.proxy.async.shared::cta;\n$L__BB0_1:" in first
         assert second.count("fence.proxy.async") == 1  # the second stores: its fence stays
-    assert not list(tmp_path.glob("*.hoisted"))  # the edited copy goes once assembled
+    assert not list(tmp_path.glob("*.edited"))  # the edited copy goes once assembled
     fences = (tmp_path / "kept" / "fences.txt").read_text()
-    assert fences == "kernel_nf: 2 fences out of 1 loops\n"
+    assert fences == "kernel_nf: hoist 2 fences in 1 loops\n"
     # without a file to assemble, it is the real ptxas
     version = subprocess.run(
         [str(wrapper / "ptxas"), "--version"], env=env, capture_output=True, text=True, check=True
     )
     assert version.stdout.strip() == "ptxas-ran --version"
+
+
+@pytest.mark.parametrize(
+    "mode, fences_per_loop",
+    [("hoist", [0, 1, 0]), ("first", [1, 1, 0]), ("add", [2, 1, 1])],
+)
+def test_xla_ptxas_keeps_one_fence_a_loop_or_adds_one(mode, fences_per_loop):
+    from importlib.machinery import SourceFileLoader
+    from importlib.util import module_from_spec, spec_from_loader
+
+    loader = SourceFileLoader("xla_ptxas", str(ROOT / "benchmarks" / "xla_ptxas" / "ptxas"))
+    module = module_from_spec(spec_from_loader("xla_ptxas", loader))
+    loader.exec_module(module)
+    lines = _PTX_WITH_LOOPS.format(name="k").split("\n")
+    edited = "\n".join(module.edit_fences(lines, mode)[0])
+    loops = [edited.split(f"$L__BB0_{n}:")[1].split(f"bra $L__BB0_{n};")[0] for n in (1, 2, 3)]
+    assert [body.count("fence.proxy.async") for body in loops] == fences_per_loop
+    if mode == "add":  # the fence goes where the loop's wgmmas start, after its copies landed
+        assert "bar.sync 0;\n\tfence.proxy.async.shared::cta;\n\twgmma.fence" in loops[2]
+    if mode == "first":  # the one kept follows the loop's wait for its copies
+        assert loops[0].index("wait_group") < loops[0].index("fence.proxy.async")
 
 
 def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
