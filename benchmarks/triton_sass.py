@@ -9,7 +9,12 @@ wgmma instructions (``HGMMA``) and waits on them (``WARPGROUP.DEPBAR``). As many
 ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round).
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
-        [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored] [--json FILE]
+        [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored]
+        [--feature segments] [--json FILE]
+
+``--feature`` compiles calls that use one (``bias``, ``mask``, ``segments``, ``dropout``,
+``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the heuristic
+picks for such a call.
 
 ``--ptx FILE...`` reads PTX built elsewhere the same way: XLA's build of the Pallas-Triton kernels,
 kept on a GPU by ``benchmarks/xla_ptxas/ptxas``. Its ``.version`` is lowered to what this ptxas
@@ -40,7 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import MASKS, parse_shapes
+from attention import MASKS, Case, parse_shapes
+from features_gpu import FEATURES, feature_arrays, feature_spec
 
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionShape, AttentionSpec, _triton
@@ -61,9 +67,20 @@ class Launch:
     constexprs: dict[str, Any]
 
 
-def launches(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> dict[str, Launch]:
+def _feature_inputs(shape: AttentionShape, feature: str) -> tuple[Any, ...]:
+    """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them."""
+    case = Case(shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim, False)
+    made = jax.eval_shape(lambda: feature_arrays(case, feature))
+    names = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
+    return tuple(made.get(name) for name in names)
+
+
+def launches(
+    shape: AttentionShape, fp: FwdParams, bp: BwdParams, feature: str = "none"
+) -> dict[str, Launch]:
     """name -> the launch of each kernel of a forward and backward at ``shape``, recorded by
-    running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher."""
+    running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher
+    (with ``feature``'s arrays, which ``shape.spec`` must ask for)."""
     made: dict[str, Launch] = {}
 
     def record(kernel, *args, grid, out_shapes, num_warps, num_stages, interpret, **kw):
@@ -81,14 +98,18 @@ def launches(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> dict[str, L
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
-    none = (None,) * 5
+    extra = _feature_inputs(shape, feature)
     kw = dict(spec=shape.spec, interpret=False)
     real, _triton.launch = _triton.launch, record
     try:
-        jax.eval_shape(lambda q, k, v: _triton.fwd(q, k, v, *none, params=fp, **kw), q, kv, kv)
         jax.eval_shape(
-            lambda q, k, v, o, lse, do: _triton.bwd(q, k, v, *none, o, lse, do, params=bp, **kw),
-            q, kv, kv, q, lse, q,
+            lambda q, k, v, *extra: _triton.fwd(q, k, v, *extra, params=fp, **kw), q, kv, kv, *extra
+        )
+        jax.eval_shape(
+            lambda q, k, v, o, lse, do, *extra: _triton.bwd(
+                q, k, v, *extra, o, lse, do, params=bp, **kw
+            ),
+            q, kv, kv, q, lse, q, *extra,
         )  # fmt: skip
     finally:
         _triton.launch = real
@@ -223,6 +244,7 @@ def main() -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
+    parser.add_argument("--feature", choices=FEATURES, default="none")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
@@ -246,12 +268,13 @@ def main() -> int:
             spec = AttentionSpec(scale=d**-0.5, causal=causal)
             q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
             k = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
-            shape = AttentionShape.of(q, k, spec)
+            shape = AttentionShape.of(q, k, feature_spec(spec, args.feature, s))
             fp, bp = _triton.heuristic(shape)
             fp = _params(args.fwd, FwdParams) if args.fwd else fp
             bp = _params(args.bwd, BwdParams) if args.bwd else bp
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
-            for name, launch in launches(shape, fp, bp).items():
+            case += "" if args.feature == "none" else f" +{args.feature}"
+            for name, launch in launches(shape, fp, bp, args.feature).items():
                 if name not in wanted:
                     continue
                 blocks = {k: launch.constexprs[k] for k in ("BLOCK_Q", "BLOCK_K")}

@@ -1,0 +1,264 @@
+"""Attention calls with a feature on the GPU: each ejkfn platform that takes it, beside ``auto``.
+
+The features are a bias, a boolean mask, segment ids (packed sequences), dropout, a logits soft
+cap and a sliding window (:data:`FEATURES`). For each shape, mask and feature this
+
+1. checks the forward and the gradients of q, k and v of every ejkfn backend that takes the feature
+   (its heuristic config) and of ``platform="auto"`` against the float32 reference with the same
+   feature, at batch 1 and at most ``CHECK_SEQ`` positions (bf16 relative error under 2e-2; NaN
+   never passes); one that fails is not timed;
+2. times them interleaved at the full shape (:func:`attention.check_then_time`), forward+backward
+   (``--passes fwd,bwd`` adds the forward);
+3. prints each one's time, its TFLOP/s counted as for the call without the feature (so a feature
+   that skips blocks, a window or segments, reads higher), its ratio to the fastest, and the config
+   ``auto`` picks; saves the rows under ``--out``.
+
+    python3 benchmarks/features_gpu.py [--shapes 8x2048x32x64,4x4096x16x128] [--masks causal]
+        [--features segments,dropout,...] [--passes bwd] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from attention import (
+    MASKS,
+    Case,
+    check_then_time,
+    fwd_bwd,
+    inputs,
+    parse_shapes,
+    rel_err,
+    save_rows,
+)
+
+import ejkfn
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention._reference import reference_attention
+
+# "none" is the call without a feature, to see what each one costs.
+FEATURES = ("none", "bias", "mask", "segments", "dropout", "soft_cap", "window")
+SOFT_CAP = 50.0  # Gemma 2's attention cap
+DROPOUT = 0.1
+CHECK_SEQ = 1024  # the float32 reference holds the scores of the check
+MAX_ERROR = 2e-2
+
+
+def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
+    """``spec`` with ``feature`` on (a window a quarter of ``seq`` keys wide on either side)."""
+    if feature not in FEATURES:
+        raise ValueError(f"feature {feature!r} is not one of {FEATURES}")
+    return dataclasses.replace(
+        spec,
+        has_bias=feature == "bias",
+        has_mask=feature == "mask",
+        has_segments=feature == "segments",
+        dropout_prob=DROPOUT if feature == "dropout" else 0.0,
+        soft_cap=SOFT_CAP if feature == "soft_cap" else None,
+        window=(seq // 4, seq // 4) if feature == "window" else None,
+    )
+
+
+def feature_arrays(case: Case, feature: str, seed: int = 0) -> dict[str, Any]:
+    """The arrays ``feature`` adds to a call, as ``flash_attention``'s keyword arguments:
+
+    * bias: ``[1, H, S, S]`` bf16, a different one for each head (as a relative-position bias);
+    * mask: ``[B, 1, S, S]``, batch row ``b`` padded: its last ``b + 1`` eighths of keys masked;
+    * segments: four packed documents a row, 1/8, 2/8, 2/8 and 3/8 of it long;
+    * dropout: a seed (``DROPOUT`` is the probability).
+    Everything else a feature needs is static (:func:`feature_spec`)."""
+    b, s, h = case.batch, case.seq, case.heads
+    if feature == "bias":
+        bias = jax.random.normal(jax.random.key(seed), (1, h, s, s), jnp.float32)
+        return dict(bias=bias.astype(jnp.bfloat16))
+    if feature == "mask":
+        valid = s - (jnp.arange(b) % 7 + 1) * s // 8
+        keys = jnp.arange(s)[None, None, None, :] < valid[:, None, None, None]
+        return dict(attention_mask=jnp.broadcast_to(keys, (b, 1, s, s)))
+    if feature == "segments":
+        ids = jnp.searchsorted(jnp.array([s // 8, 3 * s // 8, 5 * s // 8]), jnp.arange(s), "right")
+        ids = jnp.broadcast_to(ids.astype(jnp.int32), (b, s))
+        return dict(q_segment_ids=ids, kv_segment_ids=ids)
+    if feature == "dropout":
+        return dict(dropout_seed=jnp.uint32(seed))
+    return {}
+
+
+def static_options(spec: AttentionSpec) -> dict[str, Any]:
+    """``flash_attention``'s static keyword arguments for ``spec``."""
+    return dict(
+        softmax_scale=spec.scale,
+        causal=spec.causal,
+        sliding_window=spec.window,
+        logits_soft_cap=spec.soft_cap,
+        dropout_prob=spec.dropout_prob,
+    )
+
+
+def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
+    return AttentionShape.of(q, k, spec)
+
+
+def impls(case: Case, feature: str) -> dict[str, Callable[..., jax.Array]]:
+    """name -> ``(q, k, v) -> out`` with ``feature``'s arrays closed over: each native backend
+    that takes the feature on its heuristic config (XLA's left out), and ``auto``."""
+    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, case.seq)
+    shape, static, arrays = (
+        call_shape(case, spec),
+        static_options(spec),
+        feature_arrays(case, feature),
+    )
+    kind = ejkfn.device_kind()
+    out: dict[str, Callable[..., jax.Array]] = {}
+    for backend in registered_backends():
+        if backend.platform == "xla" or kind not in backend.devices or not backend.available():
+            continue
+        if spec.features & backend.unsupported:
+            continue
+        try:
+            fp, bp = backend.heuristic(shape)
+        except NotImplementedError:
+            continue
+        cfg = AttentionConfig(platform=backend.platform, variant=backend.variant, fwd=fp, bwd=bp)
+        out[f"{backend.platform}/{backend.variant}"] = lambda q, k, v, cfg=cfg: (
+            ejkfn.flash_attention(q, k, v, **arrays, **static, cfg=cfg)
+        )
+    out["auto"] = lambda q, k, v: ejkfn.flash_attention(q, k, v, **arrays, **static)
+    return out
+
+
+def auto_pick(case: Case, feature: str) -> str:
+    """The backends ``auto``'s heuristic runs for this call: ``platform/variant`` for training,
+    and the one for inference after a ``+`` where it differs."""
+    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, case.seq)
+    q, k, v, _ = inputs(dataclasses.replace(case, batch=1), 0)
+    cfg, _ = ejkfn.choose_config(
+        ejkfn.FlashAttention(platform="auto"),
+        q, k, v,
+        caches=ejkfn.default_caches(),
+        policy=ejkfn.AutotunePolicy(allow_autotune=False),
+        **feature_arrays(dataclasses.replace(case, batch=1), feature),
+        **static_options(spec),
+    )  # fmt: skip
+    name = f"{cfg.platform}/{cfg.variant}"
+    if cfg.inference is not None and cfg.inference != cfg:
+        name += f" + {cfg.inference.platform}/{cfg.inference.variant}"
+    return name
+
+
+def check(case: Case, feature: str, fns: dict[str, Callable[..., jax.Array]]) -> dict[str, float]:
+    """name -> largest relative error of output and q, k, v gradients against the float32
+    reference, at batch 1 and at most ``CHECK_SEQ`` positions."""
+    small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
+    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, small.seq)
+    arrays = feature_arrays(small, feature)
+    positional = [
+        arrays.get(name)
+        for name in ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
+    ]
+
+    def want(q, k, v):
+        return reference_attention(q, k, v, *positional, spec=spec)[0]
+
+    sets = inputs(small, 7)
+    expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
+    small_fns = impls(small, feature)
+    errors = {}
+    for name in fns:
+        try:
+            got = jax.jit(fwd_bwd(small_fns[name]))(*sets)
+            errors[name] = max(rel_err(g, w) for g, w in zip(got, expected, strict=True))
+        except Exception as exc:  # report and go on: one backend failing must not end the run
+            print(f"{case.name} {feature} {name}: {type(exc).__name__}: {str(exc)[:300]}")
+            errors[name] = float("nan")
+    return errors
+
+
+def measure(
+    case: Case,
+    feature: str,
+    passes: list[str],
+    sets: list[tuple[jax.Array, ...]],
+    calls: int,
+    rounds: int,
+) -> list[dict[str, Any]]:
+    """The rows of one case and feature: every implementation checked, those that pass timed."""
+    fns = impls(case, feature)
+    errors = check(case, feature, fns)
+    picked = auto_pick(case, feature)
+    passing = [n for n, e in errors.items() if e < MAX_ERROR]
+    rows: list[dict[str, Any]] = []
+    for backward in [p == "bwd" for p in passes]:
+        label = "fwd+bwd" if backward else "fwd"
+        jitted = {n: jax.jit(fwd_bwd(fns[n]) if backward else fns[n]) for n in passing}
+        baseline = "auto" if "auto" in jitted else next(iter(jitted), None)
+        done = (
+            check_then_time(case, backward, jitted, baseline, sets, calls, rounds)
+            if baseline
+            else []
+        )
+        done += [dict(case=case.name, pass_=label, impl=n) for n in errors if n not in passing]
+        fastest = min((r["ms"] for r in done if "ms" in r), default=float("nan"))
+        for r in done:
+            r.update(feature=feature, auto_picks=picked)
+            r["max_rel_err_vs_reference"] = errors[r["impl"]]
+            if "ms" in r:
+                r["vs_fastest"] = fastest / r["ms"]
+        rows += done
+    print(f"{case.name} {feature}: auto runs {picked}")
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x2048x32x64,4x4096x16x128")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="causal")
+    parser.add_argument("--features", default=",".join(FEATURES[1:]))
+    parser.add_argument("--passes", default="bwd", help="fwd, bwd or both (comma-separated)")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    features = args.features.split(",")
+    if unknown := sorted(set(features) - set(FEATURES)):
+        parser.error(f"--features: {unknown} not among {FEATURES}")
+    passes = args.passes.split(",")
+    if unknown := sorted(set(passes) - {"fwd", "bwd"}):
+        parser.error(f"--passes: {unknown} not among ['fwd', 'bwd']")
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for b, s, h, kvh, d in parse_shapes(args.shapes):
+        for causal in MASKS[args.masks]:
+            case = Case(b, s, h, kvh, d, causal)
+            sets = [inputs(case, seed) for seed in (0, 1)]
+            for feature in features:
+                rows += measure(case, feature, passes, sets, args.calls, args.rounds)
+                print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
+    print(f"\n| case | feature | pass | impl | ms | TFLOP/s | vs fastest | error |\n|{'---|' * 8}")
+    for r in rows:
+        timing = (
+            f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_fastest']:.3f}"
+            if "ms" in r
+            else "not timed | | "
+        )
+        print(
+            f"| {r['case']} | {r['feature']} | {r['pass_']} | {r['impl']} | {timing} |"
+            f" {r['max_rel_err_vs_reference']:.1e} |"
+        )
+    if args.out:
+        save_rows(args.out, "features", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
