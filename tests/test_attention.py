@@ -23,7 +23,13 @@ from hypothesis import strategies as st
 import ejkfn
 from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_attention
 from ejkfn.attention import _cudnn, registered_backends
-from ejkfn.attention._backend import BAND_BYTES, AttentionBackend, AttentionShape, band_pairs
+from ejkfn.attention._backend import (
+    BAND_BYTES,
+    AttentionBackend,
+    AttentionShape,
+    band_pairs,
+    segment_spans,
+)
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
@@ -983,3 +989,48 @@ def test_causal_bands_divide_the_pairs_and_hold_enough_tiles(
     assert all(d * blocks < 1024 for d in smaller)
     assert band * blocks >= 1024 or band == max(allowed)
     assert band_pairs(pairs, blocks, False, stream) == 1
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    batch=st.integers(1, 3),
+    seq_q=st.integers(1, 40),
+    seq_k=st.integers(1, 40),
+    ids=st.integers(1, 6),
+    sorted_ids=st.booleans(),
+    seed=st.integers(0, 2**30),
+)
+def test_segment_spans_bound_every_match(
+    batch: int, seq_q: int, seq_k: int, ids: int, sorted_ids: bool, seed: int
+) -> None:
+    """Each row's span runs from the first to past the last row of the other side with its id
+    ((other length, 0) where none has it), so a block may skip whatever lies outside its spans."""
+    rng = np.random.default_rng(seed)
+    q_seg, kv_seg = (rng.integers(0, ids, (batch, n)) for n in (seq_q, seq_k))
+    if sorted_ids:
+        q_seg, kv_seg = np.sort(q_seg, axis=1), np.sort(kv_seg, axis=1)
+    q_side, kv_side = (
+        np.asarray(x) for x in segment_spans(jnp.asarray(q_seg), jnp.asarray(kv_seg))
+    )
+    for side, mine, other in ((q_side, q_seg, kv_seg), (kv_side, kv_seg, q_seg)):
+        assert side.dtype == np.int32 and side.shape == (batch, 3, mine.shape[1])
+        np.testing.assert_array_equal(side[:, 0], mine)
+        for b in range(batch):
+            for i, id_ in enumerate(mine[b]):
+                at = np.flatnonzero(other[b] == id_)
+                want = (at[0], at[-1] + 1) if at.size else (other.shape[1], 0)
+                assert tuple(side[b, 1:, i]) == want, (b, i)
+
+
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_default_scale_written_out_selects_like_the_default(dim: int) -> None:
+    """``dim ** -0.5`` and ``1 / sqrt(dim)`` differ in the last bit at some head dims; a call that
+    writes the default out must find the configs keyed for the call that leaves it out."""
+    q = jnp.zeros((1, 16, 2, dim), jnp.bfloat16)
+    kernel = FlashAttention()
+    plain = ejkfn.Invocation.of(kernel, q, q, q, causal=True)
+    for scale in (dim**-0.5, 1 / math.sqrt(dim), float(np.float32(dim**-0.5))):
+        written = ejkfn.Invocation.of(kernel, q, q, q, causal=True, softmax_scale=scale)
+        assert written.key == plain.key, scale
+    other = ejkfn.Invocation.of(kernel, q, q, q, causal=True, softmax_scale=1.01 * dim**-0.5)
+    assert other.key != plain.key

@@ -30,6 +30,8 @@ from ejkfn.attention._mosaic_grid import Rounds, SplitTail, order_band, split_in
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
+from ._segments import segment_ids
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
@@ -55,7 +57,7 @@ class Case:
     cap: float | None = None
     bias: tuple[int, int] | None = None  # (batch|1, heads|1) of the bias
     mask: tuple[int, int] | None = None
-    segments: bool = False
+    segments: bool | str = False  # a layout of tests/_segments.py
     dropout: float = 0.0
     scale: float | None = None  # default 1 / sqrt(dim)
 
@@ -69,7 +71,7 @@ class Case:
             dropout_prob=self.dropout,
             has_bias=self.bias is not None,
             has_mask=self.mask is not None,
-            has_segments=self.segments,
+            has_segments=bool(self.segments),
         )
 
 
@@ -98,14 +100,17 @@ def _inputs(case: Case, seed: int) -> dict:
             return None
         if name == "mask":
             return jnp.asarray(rng.random(like.shape) < 0.75)
-        if name in ("q_seg", "kv_seg"):  # a few packed documents per row
-            return jnp.asarray(np.sort(rng.integers(0, 3, like.shape, np.int32), axis=1))
         if name == "seed":
             return jnp.uint32(987654321)
         x = rng.standard_normal(like.shape, np.float32).astype(jnp.dtype(case.dtype))
         return jnp.asarray((2.0 * x.astype(np.float32)) if name == "bias" else x)
 
-    return {name: draw(name, like) for name, like in _abstract_inputs(case).items()}
+    drawn = {name: draw(name, like) for name, like in _abstract_inputs(case).items()}
+    if case.segments:
+        drawn["q_seg"], drawn["kv_seg"] = segment_ids(
+            rng, case.segments, case.batch, case.seq_q, case.seq_k
+        )
+    return drawn
 
 
 def _err(got, want) -> float:
@@ -163,6 +168,12 @@ TRITON_CASES = {
     "window_causal": Case(seq_q=96, seq_k=96, causal=True, window=(20, 0)),
     "window_two_sided": Case(seq_q=70, seq_k=90, window=(9, 13)),
     "segments_mask": Case(batch=2, segments=True, mask=(2, 1), causal=True),
+    # whole blocks skipped by the segments' spans (blocks of 16 and 32 over 160 rows)
+    "segments_packed_causal_gqa": Case(segments="packed", causal=True, seq_q=160, seq_k=160,
+                                       heads=4, kv_heads=2),
+    "segments_packed_ragged": Case(batch=2, segments="packed", seq_q=90, seq_k=150),
+    "segments_interleaved": Case(segments="interleaved", seq_q=96, seq_k=80),
+    "segments_unmatched_causal": Case(segments="unmatched", causal=True, seq_q=128, seq_k=128),
     "bias_softcap_d80": Case(dim=80, bias=(1, 2), cap=4.0, seq_q=48, seq_k=80),
     "bias_full_gqa": Case(batch=2, heads=4, kv_heads=2, bias=(2, 4), window=(16, 16)),
     "dropout": Case(dropout=0.25, causal=True, heads=4, kv_heads=2, bias=(1, 1)),

@@ -33,6 +33,7 @@ from ejkfn.attention._backend import (
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
 
+from ._segments import segment_ids
 from ._subprocess import ROOT, child_env
 
 # Small blocks so that short sequences still cross several blocks (and the causal diagonal).
@@ -89,8 +90,7 @@ def _case(
         mask = jnp.asarray(rng.random(mask_shape) < 0.7)
     q_seg = kv_seg = None
     if segments:
-        q_seg = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq_q)), axis=1), jnp.int32)
-        kv_seg = jnp.asarray(np.sort(rng.integers(0, 3, (batch, seq_k)), axis=1), jnp.int32)
+        q_seg, kv_seg = segment_ids(rng, segments, batch, seq_q, seq_k)
     seed = jnp.asarray(rng.integers(0, 2**32, dtype=np.uint32)) if dropout else None
     spec = AttentionSpec(
         scale=1.0 / dim**0.5,
@@ -167,6 +167,14 @@ FEATURES = {
     "window_narrow_gqa": dict(window=(0, 3), heads=4, kv_heads=2, seq_k=80),
     "segments": dict(segments=True),
     "segments_causal_gqa": dict(segments=True, causal=True, heads=4, kv_heads=2),
+    # whole blocks skipped by the segments' spans (blocks of 16 and 32 over 160 rows)
+    "segments_packed": dict(segments="packed", seq_q=160, seq_k=160, heads=1),
+    "segments_packed_causal_gqa": dict(
+        segments="packed", causal=True, seq_q=160, seq_k=160, heads=4, kv_heads=2, batch=1
+    ),
+    "segments_packed_q_shorter": dict(segments="packed", causal=True, seq_q=72, seq_k=136),
+    "segments_interleaved": dict(segments="interleaved", seq_q=96, seq_k=80, heads=1),
+    "segments_unmatched_causal": dict(segments="unmatched", causal=True, seq_q=128, seq_k=128),
     "mask_batch": dict(mask_shape=(2, 1, 64, 64)),
     "mask_full_causal": dict(mask_shape=(2, 2, 64, 64), causal=True),
     "bias_heads": dict(bias_shape=(1, 2, 64, 64)),

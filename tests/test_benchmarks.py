@@ -655,3 +655,34 @@ def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
     assert row["ptx"] == "tiny_loop.ptx" and row["spill_bytes"] == 0
     [loop] = row["loops"]  # the fence stays in the loop, once per unrolled copy
     assert loop["fences"] >= 1 and loop["wgmma"] == 0
+
+
+@pytest.mark.slow
+def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
+    """On the CPU only ``auto`` (the XLA kernel) runs; each feature's arrays must reach it, or its
+    output would match the reference without them, which the check would catch."""
+    _run("features_gpu.py", "--shapes", "1x256x2x64", "--features", "segments,window,mask", "--passes", "fwd,bwd", "--calls", "1", "--rounds", "1", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "features_*.json")["rows"]
+    assert {(r["feature"], r["pass_"]) for r in rows} == {
+        (f, p) for f in ("segments", "window", "mask") for p in ("fwd", "fwd+bwd")
+    }
+    for r in rows:
+        assert r["impl"] == "auto" and r["auto_picks"] == "xla/dense"
+        assert r["max_rel_err_vs_reference"] < 2e-2 and r["ms"] > 0
+
+
+def test_features_differ_from_the_plain_call():
+    """Each feature's arrays and spec change what attention computes (else the benchmark would
+    time the plain call under another name)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import features_gpu
+        from attention import Case, inputs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    case = Case(1, 256, 2, 2, 64, True)
+    q, k, v, _ = inputs(case, 3)
+    plain = features_gpu.impls(case, "none")["auto"](q, k, v)
+    for feature in features_gpu.FEATURES[1:]:
+        got = features_gpu.impls(case, feature)["auto"](q, k, v)
+        assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - plain))) > 1e-3, feature

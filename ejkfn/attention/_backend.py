@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -29,6 +31,7 @@ __all__ = [
     "forward_band",
     "on_host",
     "register_backend",
+    "segment_spans",
     "shrink_to_fit",
 ]
 
@@ -179,6 +182,39 @@ def banded_tile(index: Any, blocks: int, band: int) -> tuple[Any, Any]:
     per_band = band * blocks
     r = tile_rem(index, per_band)
     return tile_div(r, band), tile_div(index, per_band) * band + tile_rem(r, band)
+
+
+def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each ``ids[b, i]``, ``[first, end)``: from the first to past the last position of
+    ``other[b]`` holding the same id; ``(m, 0)`` where none does (``other`` is ``[B, m]``)."""
+    m = other.shape[1]
+    order = jnp.argsort(other, axis=1, stable=True)  # equal ids keep their positions' order
+    ranked = jnp.take_along_axis(other, order, axis=1)
+    # by a sort: the default binary search is a loop of tiny kernels, 0.1-0.25 ms on a GPU
+    search = functools.partial(jnp.searchsorted, method="sort")
+    left = jax.vmap(functools.partial(search, side="left"))(ranked, ids)
+    right = jax.vmap(functools.partial(search, side="right"))(ranked, ids)
+    found = right > left
+    first = jnp.take_along_axis(order, jnp.minimum(left, m - 1), axis=1)
+    last = jnp.take_along_axis(order, jnp.maximum(right - 1, 0), axis=1)
+    return jnp.where(found, first, m).astype(jnp.int32), jnp.where(found, last + 1, 0).astype(
+        jnp.int32
+    )
+
+
+def segment_spans(q_seg: jax.Array, kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Segment ids with the span each row's segment covers on the other side, for block skipping:
+    ``[B, 3, Sq]`` of (id, first key, end key) per query row and ``[B, 3, Sk]`` of (id, first
+    query, end query) per key row, int32. Keys outside ``[min first, max end)`` of a block of rows
+    share no id with any of them, whatever the ids' order; for packed sequences (each id one run)
+    that range is exactly the block's documents."""
+    q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+    key_first, key_end = _spans(q_seg, kv_seg)
+    query_first, query_end = _spans(kv_seg, q_seg)
+    return (
+        jnp.stack([q_seg, key_first, key_end], axis=1),
+        jnp.stack([kv_seg, query_first, query_end], axis=1),
+    )
 
 
 def shrink_to_fit(

@@ -40,6 +40,7 @@ from ._backend import (
     dq_launch,
     forward_band,
     register_backend,
+    segment_spans,
     shrink_to_fit,
 )
 from ._dropout import keep_mask
@@ -181,6 +182,14 @@ def _exp2_affine(g: _Geom, x: jax.Array, scale: float, shift: jax.Array) -> jax.
     return y
 
 
+def _tanh(g: _Geom, x: jax.Array) -> jax.Array:
+    """``tanh`` as ``1 - 2 / (2 ** (2x log2 e) + 1)``, on :func:`_exp2`, as the Triton kernels have
+    it (saturating to +-1 where the power overflows or underflows). ``jnp.tanh`` lowers to
+    libdevice's ``tanhf``: with it the soft-capped forward+backward ran 0.86-0.90x Triton's on an
+    H200 (``benchmarks/features_gpu.py``; NOTES.md, forty-seventh round)."""
+    return 1.0 - 2.0 / (_exp2(g, x * (2.0 * LOG2E)) + 1.0)
+
+
 def _dot(g: _Geom, a: jax.Array, b: jax.Array, *, ta: bool = False, tb: bool = False) -> jax.Array:
     precision = lax.Precision.HIGHEST if g.f32 else None
     return pltriton.dot(a, b, trans_a=ta, trans_b=tb, precision=precision)
@@ -285,7 +294,7 @@ def _logits(g: _Geom, q: jax.Array, k: jax.Array, bias: Any) -> tuple[jax.Array,
         return qk * (spec.scale * LOG2E), None
     t = None
     if spec.soft_cap is not None:
-        t = jnp.tanh(qk * (spec.scale / spec.soft_cap))
+        t = _tanh(g, qk * (spec.scale / spec.soft_cap))
         s = t * spec.soft_cap
     else:
         s = qk * spec.scale
@@ -313,6 +322,16 @@ def _keep(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, cols: Any) -> jax.Arra
     return keep_mask(seed, b, h, rows, cols, g.heads, g.seq_q, g.spec.dropout_prob)
 
 
+def _segment_blocks(bounds: Any, span: Any, block: Any) -> tuple[Any, Any, Any, Any]:
+    """``bounds`` (every block masked) cut to the blocks of ``block`` rows on the other side that
+    the segments of this tile's rows reach; ``span`` is the ref of their ``[2, n]`` (first, end)
+    rows (read a row at a time: the Triton lowering cannot slice a loaded array)."""
+    lo, _, _, hi = bounds
+    hi = jnp.minimum(hi, _cdiv(jnp.max(span[1]), block))
+    lo = jnp.minimum(jnp.maximum(lo, lax.div(jnp.min(span[0]), block)), hi)
+    return lo, hi, hi, hi
+
+
 def _three_loops(g: _Geom, bounds: Any, body: Any, carry: Any, over_q: bool) -> Any:
     """Run ``body(index, carry, masked)`` over the masked edges and the unmasked interior."""
     lo, full_lo, full_hi, hi = bounds
@@ -329,7 +348,9 @@ def _three_loops(g: _Geom, bounds: Any, body: Any, carry: Any, over_q: bool) -> 
 class _Refs:
     """Named access to a kernel's positional refs, in the order ``_operands`` builds them."""
 
-    def __init__(self, g: _Geom, refs: tuple[Any, ...], names: tuple[str, ...]):
+    def __init__(
+        self, g: _Geom, refs: tuple[Any, ...], names: tuple[str, ...], spans: bool = False
+    ):
         it = iter(refs)
         self.q, self.k, self.v = next(it), next(it), next(it)
         for name in names:
@@ -337,6 +358,10 @@ class _Refs:
         self.bias = next(it) if g.spec.has_bias else None
         self.mask = next(it) if g.spec.has_mask else None
         self.qseg, self.kseg = (next(it), next(it)) if g.spec.has_segments else (None, None)
+        # (first, end) on the other side of each row's segment (``_backend.segment_spans``), where
+        # the kernels skip by them (``spans``; the TPU kernels share these refs without them)
+        with_spans = spans and g.spec.has_segments
+        self.qspan, self.kspan = (next(it), next(it)) if with_spans else (None, None)
         self.seed = next(it) if g.spec.dropout_prob > 0 else None
         self.outs = tuple(it)
 
@@ -376,7 +401,7 @@ def _key_block_logits(
 
 
 def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
-    r = _Refs(g, refs, ())
+    r = _Refs(g, refs, (), spans=True)
     o_ref, lse_ref = r.outs
     bq, bk = g.bq, g.bk
     qi, bh = tiles(pl.program_id(0))
@@ -424,7 +449,10 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
         jnp.full((bq,), -jnp.inf, jnp.float32),
         jnp.zeros((bq,), jnp.float32),
     )
-    acc, m, den = _three_loops(g, _kv_range(g, q0, bq, bk), body, carry, over_q=False)
+    bounds = _kv_range(g, q0, bq, bk)
+    if r.qspan is not None:
+        bounds = _segment_blocks(bounds, r.qspan, bk)
+    acc, m, den = _three_loops(g, bounds, body, carry, over_q=False)
     empty = den == 0.0
     den = jnp.where(empty, 1.0, den)
     out = acc / den[:, None]
@@ -433,7 +461,7 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
 
 
 def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
-    r = _Refs(g, refs, ("do", "lse", "delta"))
+    r = _Refs(g, refs, ("do", "lse", "delta"), spans=True)
     dk_ref, dv_ref = r.outs
     bq, bk = g.bq, g.bk
     kb, bkv = pl.program_id(0), pl.program_id(1)
@@ -446,6 +474,8 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
     bounds = _q_range(g, k0, bq, bk)
+    if r.kspan is not None:
+        bounds = _segment_blocks(bounds, r.kspan, bq)
 
     def head(t: Any, carry: Any) -> Any:
         h = kvh * g.group + t
@@ -498,7 +528,7 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
 def _dq_kernel(*refs: Any, g: _Geom) -> None:
     """dQ of a q block, and its rows' ``delta = rowsum(dout * out)``, stored for the dK/dV kernel
     (read here beside dout, it needs no pass over out and dout of its own)."""
-    r = _Refs(g, refs, ("do", "lse", "out"))
+    r = _Refs(g, refs, ("do", "lse", "out"), spans=True)
     dq_ref, delta_ref = r.outs[:2]
     dbias_ref = r.outs[2] if g.spec.has_bias else None
     bq, bk = g.bq, g.bk
@@ -532,7 +562,10 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
             ds = ds * (1.0 - tanh * tanh)
         return dq + _dot(g, ds.astype(k.dtype), k)
 
-    lo, _, _, hi = bounds = _kv_range(g, q0, bq, bk)
+    bounds = _kv_range(g, q0, bq, bk)
+    if r.qspan is not None:
+        bounds = _segment_blocks(bounds, r.qspan, bk)
+    lo, _, _, hi = bounds
     dq = _three_loops(g, bounds, body, jnp.zeros((bq, g.dpad), jnp.float32), over_q=False)
     dq_ref[...] = (dq * g.spec.scale).astype(dq_ref.dtype)
     if dbias_ref is not None:  # key blocks the loops skipped get a zero gradient
@@ -618,8 +651,13 @@ def _extras(g: _Geom, bias: Any, mask: Any, q_seg: Any, kv_seg: Any, seed: Any) 
     if mask is not None:
         ops.append(_pad_pair(g, mask, jnp.int8))
     if q_seg is not None:
-        ops.append(_pad(q_seg.astype(jnp.int32), 1, g.sqp))
-        ops.append(_pad(kv_seg.astype(jnp.int32), 1, g.skp))
+        q_side, kv_side = segment_spans(q_seg, kv_seg)
+        ops.append(_pad(q_side[:, 0], 1, g.sqp))
+        ops.append(_pad(kv_side[:, 0], 1, g.skp))
+        # padded rows reach nothing: first past the other side's end, end 0
+        for side, seq, other in ((q_side, g.sqp, g.skp), (kv_side, g.skp, g.sqp)):
+            first, end = _pad(side[:, 1], 1, seq, other), _pad(side[:, 2], 1, seq, 0)
+            ops.append(jnp.stack([first, end], axis=1))
     if seed is not None:
         ops.append(jnp.reshape(jnp.asarray(seed).astype(jnp.uint32), (1,)))
     return ops
@@ -647,6 +685,8 @@ def _extra_specs_rows(g: _Geom, rows: int, row_block: Any) -> list[pl.BlockSpec]
     if g.spec.has_segments:
         specs.append(pl.BlockSpec((None, rows), lambda i, j: (_bh(g, j)[0], row_block(i))))
         specs.append(pl.BlockSpec((None, g.skp), lambda i, j: (_bh(g, j)[0], 0)))
+        specs.append(pl.BlockSpec((None, 2, rows), lambda i, j: (_bh(g, j)[0], 0, row_block(i))))
+        specs.append(pl.BlockSpec((None, 2, g.skp), lambda i, j: (_bh(g, j)[0], 0, 0)))
     if g.spec.dropout_prob > 0:
         specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
     return specs
@@ -809,6 +849,8 @@ def bwd(
     if spec.has_segments:
         extra_specs.append(pl.BlockSpec((None, g.sqp), lambda i, j: (bkvh(j)[0], 0)))
         extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], i)))
+        extra_specs.append(pl.BlockSpec((None, 2, g.sqp), lambda i, j: (bkvh(j)[0], 0, 0)))
+        extra_specs.append(pl.BlockSpec((None, 2, g.bk), lambda i, j: (bkvh(j)[0], 0, i)))
     if spec.dropout_prob > 0:
         extra_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
     dk, dv = pl.pallas_call(

@@ -43,6 +43,7 @@ from ._backend import (
     dq_launch,
     forward_band,
     register_backend,
+    segment_spans,
     shrink_to_fit,
 )
 from ._dropout import threshold
@@ -171,7 +172,7 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
                 f"expected segment ids of shapes {(batch, seq_q)} and {(batch, seq_k)}; got "
                 f"{q_seg.shape} and {kv_seg.shape}"
             )
-        q_seg, kv_seg = q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
+        q_seg, kv_seg = segment_spans(q_seg, kv_seg)
     else:
         q_seg = kv_seg = jnp.zeros((1,), jnp.int32)
     if spec.dropout_prob > 0.0:

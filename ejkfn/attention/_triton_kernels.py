@@ -4,7 +4,9 @@ Imported only through :func:`ejkfn._triton_interpret.load_kernels`, which decide
 Triton runs compiled or in its interpreter (the choice is made when ``triton`` is first imported).
 
 Layouts: q/out/dout ``[B, Sq, H, D]``, k/v ``[B, Sk, KVH, D]``, lse/delta ``[B, H, Sq]`` float32,
-bias/mask ``[B|1, H|1, Sq|1, Sk|1]`` (a broadcast dimension has stride 0), segment ids ``[B, S]``.
+bias/mask ``[B|1, H|1, Sq|1, Sk|1]`` (a broadcast dimension has stride 0), segment ids ``[B, 3, S]``:
+each row's id, then the first and past-the-last row of the other side in its segment
+(``_backend.segment_spans``), from which a block's loop skips the blocks no segment of it reaches.
 Each kernel is also ``@no_type_check`` so that jaxtyping's import hook (used by the test run) leaves
 it undecorated: Triton reads the function's own source and globals.
 
@@ -225,6 +227,18 @@ def _q_blocks(
     return lo, hi, full
 
 
+@triton.jit
+@no_type_check
+def _segment_span(spans, idx, lo, hi, N: tl.constexpr, OTHER: tl.constexpr, BLOCK: tl.constexpr):
+    """``[lo, hi)`` cut to the span (rows of the other side, of ``OTHER``) that the segments of
+    rows ``idx`` reach: ``spans`` holds each row's first, then (``N`` on) its end; ``lo`` stays a
+    multiple of ``BLOCK``. Empty (``lo >= hi``) where no row shares a segment with the other side."""
+    inside = idx < N
+    first = tl.min(tl.load(spans + idx, mask=inside, other=OTHER), 0)
+    end = tl.max(tl.load(spans + N + idx, mask=inside, other=0), 0)
+    return tl.maximum(lo, first // BLOCK * BLOCK), tl.minimum(hi, end)
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 
@@ -384,8 +398,8 @@ def fwd_kernel(
     v_base = V + b64 * SVB + kvh * SVH
     bias_base = Bias + b64 * SBB + h * SBH
     mask_base = Mask + b64 * SMB + h * SMH
-    qseg_base = QSeg + b64 * SEQ_Q
-    kvseg_base = KVSeg + b64 * SEQ_K
+    qseg_base = QSeg + b64 * (3 * SEQ_Q)
+    kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     seed = tl.load(Seed).to(tl.uint32)
 
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
@@ -394,6 +408,9 @@ def fwd_kernel(
     lo, hi, full = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
+    if HAS_SEG:  # every block is masked (no SPLIT): full is lo
+        lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
+        full = lo
     # Where q and key blocks differ in size (128 x 64, 64 x 128), the masked blocks (the causal
     # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
     # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,
@@ -591,13 +608,16 @@ def bwd_dkdv_kernel(
         V + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0
     )
     seed = tl.load(Seed).to(tl.uint32)
-    qseg_base = QSeg + b64 * SEQ_Q
-    kvseg_base = KVSeg + b64 * SEQ_K
+    qseg_base = QSeg + b64 * (3 * SEQ_Q)
+    kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     lo, hi, full = _q_blocks(
         n0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
+    if HAS_SEG:  # every block is masked (no SPLIT): full is hi
+        lo, hi = _segment_span(kvseg_base + SEQ_K, cols, lo, hi, SEQ_K, SEQ_Q, BLOCK_Q)
+        full = hi
     for g in range(GROUP):
         h = kvh * GROUP + g
         bh64 = b64 * HEADS + h
@@ -803,13 +823,16 @@ def bwd_dq_kernel(
     v_base = V + b64 * SVB + kvh * SVH
     bias_base = Bias + b64 * SBB + h * SBH
     mask_base = Mask + b64 * SMB + h * SMH
-    qseg_base = QSeg + b64 * SEQ_Q
-    kvseg_base = KVSeg + b64 * SEQ_K
+    qseg_base = QSeg + b64 * (3 * SEQ_Q)
+    kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     seed = tl.load(Seed).to(tl.uint32)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     lo, hi, full = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
+    if HAS_SEG:  # every block is masked (no SPLIT): full is lo
+        lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
+        full = lo
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
