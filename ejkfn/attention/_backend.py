@@ -190,7 +190,8 @@ def _spans(ids: jax.Array, other: jax.Array) -> tuple[jax.Array, jax.Array]:
     m = other.shape[1]
     order = jnp.argsort(other, axis=1, stable=True)  # equal ids keep their positions' order
     ranked = jnp.take_along_axis(other, order, axis=1)
-    # by a sort: the default binary search is a loop of tiny kernels, 0.1-0.25 ms on a GPU
+    # by a sort: JAX's default binary search, a loop of small kernels, took 0.53-1.06 ms a side
+    # on an H200 from 8x2048 to 1x65536 ids, this 0.12-0.41 ms (NOTES.md, forty-seventh round)
     search = functools.partial(jnp.searchsorted, method="sort")
     left = jax.vmap(functools.partial(search, side="left"))(ranked, ids)
     right = jax.vmap(functools.partial(search, side="right"))(ranked, ids)
