@@ -97,7 +97,7 @@ def _case(
         dropout_prob=dropout,
         has_bias=bias is not None,
         has_mask=mask is not None,
-        has_segments=segments,
+        has_segments=bool(segments),
         **spec_kw,
     )
     return (q, k, v, bias, mask, q_seg, kv_seg, seed), dout, spec
