@@ -92,6 +92,11 @@ def feature_arrays(case: Case, feature: str, seed: int = 0) -> dict[str, Any]:
     return {}
 
 
+def case_spec(case: Case, feature: str) -> AttentionSpec:
+    """The spec of ``case``'s call with ``feature`` (the default scale)."""
+    return feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, case.seq)
+
+
 def static_options(spec: AttentionSpec) -> dict[str, Any]:
     """``flash_attention``'s static keyword arguments for ``spec``."""
     return dict(
@@ -112,7 +117,7 @@ def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
 def impls(case: Case, feature: str) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v) -> out`` with ``feature``'s arrays closed over: each native backend
     that takes the feature on its heuristic config (XLA's left out), and ``auto``."""
-    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, case.seq)
+    spec = case_spec(case, feature)
     shape, static, arrays = (
         call_shape(case, spec),
         static_options(spec),
@@ -140,7 +145,7 @@ def impls(case: Case, feature: str) -> dict[str, Callable[..., jax.Array]]:
 def auto_pick(case: Case, feature: str) -> str:
     """The backends ``auto``'s heuristic runs for this call: ``platform/variant`` for training,
     and the one for inference after a ``+`` where it differs."""
-    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, case.seq)
+    spec = case_spec(case, feature)
     q, k, v, _ = inputs(dataclasses.replace(case, batch=1), 0)
     cfg, _ = ejkfn.choose_config(
         ejkfn.FlashAttention(platform="auto"),
@@ -160,7 +165,7 @@ def check(case: Case, feature: str, fns: dict[str, Callable[..., jax.Array]]) ->
     """name -> largest relative error of output and q, k, v gradients against the float32
     reference, at batch 1 and at most ``CHECK_SEQ`` positions."""
     small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
-    spec = feature_spec(AttentionSpec(scale=case.dim**-0.5, causal=case.causal), feature, small.seq)
+    spec = case_spec(small, feature)
     arrays = feature_arrays(small, feature)
     positional = [
         arrays.get(name)
