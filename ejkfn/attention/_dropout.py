@@ -3,8 +3,12 @@
 Every backend computes the same 32-bit integer mix, so dropout is deterministic for a given seed and
 identical across platforms (and can be recomputed in the backward pass instead of stored).
 
-``bits = mix32(seed ^ mix32(((b * H + h) * Sq + i) * 0x9E3779B1 + j))`` (all arithmetic mod 2^32), and a
-weight is kept when ``bits >= threshold(p) = floor(p * 2^32)``.
+``bits = mix32((((b * H + h) * Sq + i) * 0x9E3779B1 + j) ^ mix32(seed))`` (all arithmetic mod 2^32),
+and a weight is kept when ``bits >= threshold(p) = floor(p * 2^32)``. The seed is mixed once a call,
+so each score pays for one ``mix32``: the portable kernels run their integer work beside the
+tensor cores' products, and a second mix a score made dropout cost them half their speed. Two seeds
+give masks that are one permutation of positions apart, so the same position's decisions under two
+seeds are as independent as two positions' (``tests/test_dropout.py`` measures both).
 """
 
 from __future__ import annotations
@@ -47,5 +51,5 @@ def keep_mask(
     """True where the weight at (b, h, i, j) is kept; the index arrays broadcast together."""
     u = jnp.uint32
     row = (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + i.astype(u)
-    bits = mix32(seed.astype(u) ^ mix32(row * u(GOLDEN) + j.astype(u)))
+    bits = mix32((row * u(GOLDEN) + j.astype(u)) ^ mix32(seed))
     return bits >= u(threshold(p))

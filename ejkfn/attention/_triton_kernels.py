@@ -46,11 +46,18 @@ def _mix32(x):
 
 @triton.jit
 @no_type_check
-def _keep(seed, b, h, rows, cols, HEADS: tl.constexpr, SEQ_Q: tl.constexpr, THRESH: tl.constexpr):
-    """Dropout keep decision for the broadcast index tiles ``rows``/``cols`` (see ``_dropout``)."""
+def _keep(key, b, h, rows, cols, HEADS: tl.constexpr, SEQ_Q: tl.constexpr, THRESH: tl.constexpr):
+    """Dropout keep decision for the broadcast index tiles ``rows``/``cols`` (see ``_dropout``);
+    ``key`` is the seed mixed once (:func:`_seed_key`)."""
     row = (b.to(tl.uint32) * HEADS + h.to(tl.uint32)) * SEQ_Q + rows.to(tl.uint32)
-    bits = _mix32(seed ^ _mix32(row * _GOLDEN + cols.to(tl.uint32)))
+    bits = _mix32((row * _GOLDEN + cols.to(tl.uint32)) ^ key)
     return bits >= THRESH
+
+
+@triton.jit
+@no_type_check
+def _seed_key(Seed):
+    return _mix32(tl.load(Seed).to(tl.uint32))
 
 
 @triton.jit
@@ -259,7 +266,7 @@ def _fwd_inner(
     mask_base,
     qseg_base,
     kvseg_base,
-    seed,
+    drop_key,
     start,
     stop,
     MASKED: tl.constexpr,
@@ -318,7 +325,9 @@ def _fwd_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
             p = tl.where(
-                _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH), p, 0.0
+                _keep(drop_key, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH),
+                p,
+                0.0,
             )
         v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -400,7 +409,7 @@ def fwd_kernel(
     mask_base = Mask + b64 * SMB + h * SMH
     qseg_base = QSeg + b64 * (3 * SEQ_Q)
     kvseg_base = KVSeg + b64 * (3 * SEQ_K)
-    seed = tl.load(Seed).to(tl.uint32)
+    drop_key = _seed_key(Seed)
 
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
@@ -419,21 +428,21 @@ def fwd_kernel(
     if MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
             HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if SPLIT:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, seed, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            kvseg_base, drop_key, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
             HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if not MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
             HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
@@ -470,7 +479,7 @@ def _dkdv_inner(
     qseg_base,
     kvseg_base,
     dbias_base,
-    seed,
+    drop_key,
     start,
     stop,
     MASKED: tl.constexpr,
@@ -516,7 +525,7 @@ def _dkdv_inner(
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
-            keep = _keep(seed, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
+            keep = _keep(drop_key, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
             dv += tl.dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
         else:
@@ -607,7 +616,7 @@ def bwd_dkdv_kernel(
     v = tl.load(
         V + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0
     )
-    seed = tl.load(Seed).to(tl.uint32)
+    drop_key = _seed_key(Seed)
     qseg_base = QSeg + b64 * (3 * SEQ_Q)
     kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
@@ -633,14 +642,14 @@ def bwd_dkdv_kernel(
         if SPLIT:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-                mask_base, qseg_base, kvseg_base, dbias_base, seed, full, hi, False, HEADS,
+                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full, hi, False, HEADS,
                 SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
                 WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
                 DOT_PRECISION, BLOCK_Q, BLOCK_D,
             )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-            mask_base, qseg_base, kvseg_base, dbias_base, seed, lo, full, True, HEADS, SEQ_Q,
+            mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, full, True, HEADS, SEQ_Q,
             SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
             WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
             DOT_PRECISION, BLOCK_Q, BLOCK_D,
@@ -671,7 +680,7 @@ def _dq_inner(
     mask_base,
     qseg_base,
     kvseg_base,
-    seed,
+    drop_key,
     start,
     stop,
     MASKED: tl.constexpr,
@@ -714,7 +723,7 @@ def _dq_inner(
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
-            keep = _keep(seed, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH)
+            keep = _keep(drop_key, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, DROP_THRESH)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])
         if SOFT_CAP > 0:
@@ -825,7 +834,7 @@ def bwd_dq_kernel(
     mask_base = Mask + b64 * SMB + h * SMH
     qseg_base = QSeg + b64 * (3 * SEQ_Q)
     kvseg_base = KVSeg + b64 * (3 * SEQ_K)
-    seed = tl.load(Seed).to(tl.uint32)
+    drop_key = _seed_key(Seed)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     lo, hi, full = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
@@ -836,13 +845,13 @@ def bwd_dq_kernel(
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, seed, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+            kvseg_base, drop_key, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
             HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-        kvseg_base, seed, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
+        kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
         SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
         HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
     )  # fmt: skip

@@ -1,0 +1,53 @@
+"""The dropout hash: the rate it keeps, and no correlation between neighbours or between seeds.
+
+Every backend draws its keep decisions from ``_dropout.keep_mask`` (the Triton kernels from a copy
+that the Triton tests hold to the same outputs), so these properties hold for all of them.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ejkfn.attention._dropout import keep_mask, threshold
+
+HEADS, SEQ = 2, 256
+
+
+def _keep(seed: int, p: float) -> np.ndarray:
+    """The keep decisions of batch 0 as ``[HEADS, SEQ, SEQ]`` floats (1.0 kept)."""
+    h = jnp.arange(HEADS)[:, None, None]
+    i = jnp.arange(SEQ)[None, :, None]
+    j = jnp.arange(SEQ)[None, None, :]
+    kept = keep_mask(jnp.uint32(seed), jnp.uint32(0), h, i, j, HEADS, SEQ, p)
+    return np.asarray(kept, np.float64)
+
+
+def _correlation(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.corrcoef(a.ravel(), b.ravel())[0, 1])
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keeps_one_minus_p(p: float) -> None:
+    # 131072 decisions: the rate's standard deviation is at most 0.0014.
+    assert abs(_keep(7, p).mean() - (1.0 - p)) < 0.008
+
+
+def test_threshold_rounds_down_and_saturates() -> None:
+    assert threshold(0.0) == 0
+    assert threshold(0.5) == 2**31
+    assert threshold(1.0) == 2**32 - 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_neighbours_are_uncorrelated(seed: int) -> None:
+    # A correlation estimated from about 65k pairs has a standard deviation near 0.004.
+    kept = _keep(seed, 0.5)
+    assert abs(_correlation(kept[:, :, 1:], kept[:, :, :-1])) < 0.03  # columns
+    assert abs(_correlation(kept[:, 1:, :], kept[:, :-1, :])) < 0.03  # rows
+    assert abs(_correlation(kept[1], kept[0])) < 0.03  # heads
+
+
+@pytest.mark.parametrize(("first", "second"), [(0, 1), (1, 2), (41, 42), (0, 2**31)])
+def test_seeds_are_uncorrelated(first: int, second: int) -> None:
+    # Training steps often pass consecutive seeds: the same position must not repeat its decision.
+    assert abs(_correlation(_keep(first, 0.5), _keep(second, 0.5))) < 0.03
