@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkfn.attention._dropout import keep_mask, threshold
+from ejkfn.attention._dropout import keep_mask, keep_tile, threshold
 
 HEADS, SEQ = 2, 256
 
@@ -32,10 +32,11 @@ def test_keeps_one_minus_p(p: float) -> None:
     assert abs(_keep(7, p).mean() - (1.0 - p)) < 0.008
 
 
-def test_threshold_rounds_down_and_saturates() -> None:
-    assert threshold(0.0) == 0
+def test_threshold_rounds_p_down_to_sixteen_bits_and_saturates() -> None:
+    assert threshold(0.0) == threshold(2**-17) == 0  # keeps everything
     assert threshold(0.5) == 2**31
-    assert threshold(1.0) == 2**32 - 1
+    assert threshold(0.1) == 6553 << 16
+    assert threshold(1.0) == 0xFFFF << 16
 
 
 @pytest.mark.parametrize("seed", [0, 1, 12345])
@@ -51,3 +52,13 @@ def test_neighbours_are_uncorrelated(seed: int) -> None:
 def test_seeds_are_uncorrelated(first: int, second: int) -> None:
     # Training steps often pass consecutive seeds: the same position must not repeat its decision.
     assert abs(_correlation(_keep(first, 0.5), _keep(second, 0.5))) < 0.03
+
+
+@pytest.mark.parametrize("col0", [0, 64, 1030])
+def test_a_tile_hashed_in_pairs_keeps_what_each_score_keeps(col0: int) -> None:
+    rows = jnp.arange(40, 72)
+    args = (jnp.uint32(99), jnp.uint32(1), jnp.uint32(1))
+    tile = keep_tile(*args, rows, jnp.int32(col0), 64, HEADS, SEQ, 0.3)
+    cols = col0 + jnp.arange(64)
+    each = keep_mask(*args, rows[:, None], cols[None, :], HEADS, SEQ, 0.3)
+    np.testing.assert_array_equal(np.asarray(tile), np.asarray(each))

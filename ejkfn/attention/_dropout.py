@@ -3,11 +3,16 @@
 Every backend computes the same 32-bit integer mix, so dropout is deterministic for a given seed and
 identical across platforms (and can be recomputed in the backward pass instead of stored).
 
-``bits = mix32((((b * H + h) * Sq + i) * 0x9E3779B1 + j) ^ mix32(seed))`` (all arithmetic mod 2^32),
-and a weight is kept when ``bits >= threshold(p) = floor(p * 2^32)``. The seed is mixed once a call,
-so each score pays for one ``mix32``: the portable kernels run their integer work beside the
-tensor cores' products, and a second mix a score made dropout cost them half their speed. Two seeds
-give masks that are one permutation of positions apart, so the same position's decisions under two
+Each hash decides two neighbouring columns: ``bits = mix32((((b * H + h) * Sq + i) * 0x9E3779B1
++ j // 2) ^ mix32(seed))`` (all arithmetic mod 2^32), whose low 16 bits are column ``2 (j // 2)``'s
+and high 16 bits column ``2 (j // 2) + 1``'s; a weight is kept when its 16 bits, moved to the top,
+are ``>= threshold(p) = floor(p * 2^16) * 2^16`` (so ``p`` is rounded down to a multiple of 2^-16:
+under 1.6e-5 off). The seed is mixed once a call and each pair of scores once: the portable kernels
+run this integer work beside the tensor cores' products, and two mixes a score made dropout cost
+them half their speed. The pairs are neighbours along the keys, which each thread of a Hopper
+wgmma accumulator holds side by side, so a kernel's ``[queries, keys]`` tile interleaves them
+without moving data; a ``[keys, queries]`` tile computes each column's hash itself. Two seeds give
+masks that are one permutation of positions apart, so the same position's decisions under two
 seeds are as independent as two positions' (``tests/test_dropout.py`` measures both).
 """
 
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["GOLDEN", "keep_mask", "mix32", "threshold"]
+__all__ = ["GOLDEN", "keep_mask", "keep_tile", "mix32", "threshold"]
 
 GOLDEN = 0x9E3779B1
 _M1 = 0x7FEB352D
@@ -34,8 +39,8 @@ def mix32(x: jnp.ndarray) -> jnp.ndarray:
 
 
 def threshold(p: float) -> int:
-    """The uint32 threshold below which a weight is dropped."""
-    return min(int(p * 4294967296.0), 4294967295)
+    """The uint32 threshold below which a weight's 16 bits (in the top half) drop it."""
+    return min(int(p * 65536.0), 65535) << 16
 
 
 def keep_mask(
@@ -51,5 +56,30 @@ def keep_mask(
     """True where the weight at (b, h, i, j) is kept; the index arrays broadcast together."""
     u = jnp.uint32
     row = (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + i.astype(u)
-    bits = mix32((row * u(GOLDEN) + j.astype(u)) ^ mix32(seed))
-    return bits >= u(threshold(p))
+    j = j.astype(u)
+    bits = mix32((row * u(GOLDEN) + (j >> 1)) ^ mix32(seed))
+    # Even columns move their low 16 bits to the top; odd ones keep theirs there (below them,
+    # bits the threshold's zero low half cannot tip).
+    return bits << ((u(1) - (j & 1)) * u(16)) >= u(threshold(p))
+
+
+def keep_tile(
+    seed: jnp.ndarray,
+    b: jnp.ndarray,
+    h: jnp.ndarray,
+    rows: jnp.ndarray,
+    col0: jnp.ndarray,
+    block_k: int,
+    heads: int,
+    seq_q: int,
+    p: float,
+) -> jnp.ndarray:
+    """:func:`keep_mask` of the ``[rows, col0 + arange(block_k)]`` tile (``col0`` even), one hash a
+    pair of columns. The halves are interleaved by a stack on a last axis of two and a reshape,
+    which Triton lowers to a join that moves no data (module doc)."""
+    u = jnp.uint32
+    row = (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + rows.astype(u)
+    pairs = (col0 // 2).astype(u) + jnp.arange(block_k // 2, dtype=u)
+    bits = mix32((row[:, None] * u(GOLDEN) + pairs[None, :]) ^ mix32(seed))
+    halves = jnp.stack([bits << u(16), bits], axis=-1).reshape(rows.shape[0], block_k)
+    return halves >= u(threshold(p))

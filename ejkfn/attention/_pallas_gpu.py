@@ -43,7 +43,7 @@ from ._backend import (
     segment_spans,
     shrink_to_fit,
 )
-from ._dropout import keep_mask
+from ._dropout import keep_mask, keep_tile
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
@@ -322,6 +322,11 @@ def _keep(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, cols: Any) -> jax.Arra
     return keep_mask(seed, b, h, rows, cols, g.heads, g.seq_q, g.spec.dropout_prob)
 
 
+def _keep_tile(g: _Geom, seed: Any, b: Any, h: Any, rows: Any, k0: Any) -> jax.Array:
+    """Dropout's keep mask of the ``[rows, k0 + arange(g.bk)]`` tile, one hash a pair of keys."""
+    return keep_tile(seed, b, h, rows, k0, g.bk, g.heads, g.seq_q, g.spec.dropout_prob)
+
+
 def _segment_blocks(bounds: Any, span: Any, block: Any) -> tuple[Any, Any, Any, Any]:
     """``bounds`` (every block masked) cut to the blocks of ``block`` rows on the other side that
     the segments of this tile's rows reach; ``span`` is the ref of their ``[2, n]`` (first, end)
@@ -439,8 +444,7 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
             p = _exp2(g, s - m_use[:, None])
         den = den * alpha + jnp.sum(p, axis=1)
         if seed is not None:
-            keep = _keep(g, seed, b, h, rows[:, None], cols[None, :])
-            p = jnp.where(keep, p * inv_keep, 0.0)
+            p = jnp.where(_keep_tile(g, seed, b, h, rows, k0), p * inv_keep, 0.0)
         acc = acc * alpha[:, None] + _dot(g, p.astype(v.dtype), v)
         return acc, m_new, den
 
@@ -554,7 +558,7 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
         p, tanh = _probs(g, q, k, _key_block_bias(g, r, k0), lse[:, None], visible)
         dp = _dot(g, do, v, tb=True)
         if seed is not None:
-            dp = jnp.where(_keep(g, seed, b, h, rows[:, None], cols[None, :]), dp * inv_keep, 0.0)
+            dp = jnp.where(_keep_tile(g, seed, b, h, rows, k0), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if dbias_ref is not None:
             dbias_ref[:, pl.ds(k0, bk)] = ds
