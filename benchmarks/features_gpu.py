@@ -224,6 +224,23 @@ def measure(
     return rows
 
 
+TABLE_HEADER = (
+    f"| case | feature | pass | impl | ms | TFLOP/s | vs fastest | error |\n|{'---|' * 8}"
+)
+
+
+def table_line(r: dict[str, Any]) -> str:
+    timing = (
+        f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_fastest']:.3f}"
+        if "ms" in r
+        else "not timed | | "
+    )
+    return (
+        f"| {r['case']} | {r['feature']} | {r['pass_']} | {r['impl']} | {timing} |"
+        f" {r['max_rel_err_vs_reference']:.1e} |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8x2048x32x64,4x4096x16x128")
@@ -233,6 +250,9 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument(
+        "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
+    )
     args = parser.parse_args()
     features = args.features.split(",")
     if unknown := sorted(set(features) - set(FEATURES)):
@@ -247,19 +267,15 @@ def main() -> int:
             case = Case(b, s, h, kvh, d, causal)
             sets = [inputs(case, seed) for seed in (0, 1)]
             for feature in features:
-                rows += measure(case, feature, passes, sets, args.calls, args.rounds)
+                if args.seconds and time.time() - t0 > args.seconds:
+                    print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
+                    continue
+                done = measure(case, feature, passes, sets, args.calls, args.rounds)
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
-    print(f"\n| case | feature | pass | impl | ms | TFLOP/s | vs fastest | error |\n|{'---|' * 8}")
-    for r in rows:
-        timing = (
-            f"{r['ms']:.3f} | {r['tflops']:.0f} | {r['vs_fastest']:.3f}"
-            if "ms" in r
-            else "not timed | | "
-        )
-        print(
-            f"| {r['case']} | {r['feature']} | {r['pass_']} | {r['impl']} | {timing} |"
-            f" {r['max_rel_err_vs_reference']:.1e} |"
-        )
+                print("\n".join(table_line(r) for r in done), flush=True)
+                rows += done
+    print(f"\n{TABLE_HEADER}")
+    print("\n".join(table_line(r) for r in rows))
     if args.out:
         save_rows(args.out, "features", rows)
     return 0
