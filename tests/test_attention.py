@@ -673,11 +673,76 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)  # Mosaic takes no bias
-    with_bias = heuristic(small, bias=bias)
-    assert (with_bias.platform, with_bias.inference) == ("cudnn", None)
+    window = heuristic(small, sliding_window=64)  # Mosaic takes no window; cuDNN leads there
+    assert (window.platform, window.inference) == ("cudnn", None)
     elsewhere = heuristic(small, hopper=False)
     assert (elsewhere.platform, elsewhere.inference) == ("cudnn", None)
+
+
+_PT, _TRI = ("pallas", "triton"), ("triton", "triton")
+
+
+@pytest.mark.parametrize(
+    ("dim", "causal", "feature", "training", "inference"),
+    [
+        (64, True, "soft_cap", _TRI, _TRI),
+        (128, False, "soft_cap+mask", _TRI, _TRI),  # the soft cap decides
+        (64, True, "segments", _PT, _PT),
+        (128, True, "segments", _TRI, _TRI),
+        (64, False, "mask", _PT, _PT),
+        (128, True, "mask", _TRI, _PT),
+        (64, True, "bias", _PT, _PT),
+        (128, False, "bias", _TRI, _TRI),
+        (128, True, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
+        (128, True, "window", ("cudnn", "cudnn"), ("cudnn", "cudnn")),
+    ],
+)
+def test_auto_on_hopper_orders_backends_by_feature(
+    dim: int,
+    causal: bool,
+    feature: str,
+    training: tuple[str, str],
+    inference: tuple[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Calls with a feature the Mosaic kernels refuse take the backends measured fastest with it
+    (``_api._feature_backends``); on other GPUs, cuDNN where it can."""
+    from ejkfn.attention import _api
+
+    refusal = _api._refusal
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas", "triton"))
+
+    def on_cuda(backend, shape, args, kwargs, params):
+        # cuDNN's and Triton's kernels cannot trace off a CUDA GPU: their feature checks stand.
+        if backend.platform in ("cudnn", "triton"):
+            features = shape.spec.features & backend.unsupported
+            return f"refuses {sorted(features)}" if features else None
+        return refusal(backend, shape, args, kwargs, params)
+
+    monkeypatch.setattr(_api, "_refusal", on_cuda)
+    x = jax.ShapeDtypeStruct((1, 256, 4, dim), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+    arrays = {
+        "soft_cap": dict(logits_soft_cap=30.0),
+        "segments": dict(q_segment_ids=ids, kv_segment_ids=ids),
+        "mask": dict(attention_mask=jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bool_)),
+        "bias": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)),
+        "dropout": dict(dropout_prob=0.1, dropout_seed=jax.ShapeDtypeStruct((), jnp.uint32)),
+        "window": dict(sliding_window=64),
+    }
+    options = {k: v for name in feature.split("+") for k, v in arrays[name].items()}
+    kernel = FlashAttention()
+    inv = ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **options)
+    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
+    cfg = kernel.heuristic_cfg(inv)
+    assert (cfg.platform, cfg.variant) == training
+    infers = cfg.inference or cfg
+    assert (infers.platform, infers.variant) == inference
+    monkeypatch.setattr(_api, "_is_hopper", lambda: False)
+    elsewhere = kernel.heuristic_cfg(inv)
+    refused = {"dropout", "soft_cap", "segments"} & set(feature.split("+"))  # by cuDNN
+    assert elsewhere.platform == ("pallas" if refused else "cudnn")
 
 
 def test_explicit_platform_heuristics(key: jax.Array) -> None:

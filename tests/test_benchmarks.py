@@ -686,3 +686,10 @@ def test_features_differ_from_the_plain_call():
     for feature in features_gpu.FEATURES[1:]:
         got = features_gpu.impls(case, feature)["auto"](q, k, v)
         assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - plain))) > 1e-3, feature
+
+
+def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
+    """A run the device would cut off keeps what it measured: past ``--seconds`` no case starts."""
+    out = _run("features_gpu.py", "--shapes", "1x256x2x64", "--features", "mask", "--seconds", "1e-9", "--out", str(tmp_path))  # fmt: skip
+    assert "1x256x2x64 causal mask not run: past --seconds" in out
+    assert _saved(tmp_path, "features_*.json")["rows"] == []

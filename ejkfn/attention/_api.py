@@ -29,7 +29,9 @@ __all__ = ["AttentionConfig", "FlashAttention", "flash_attention", "registered_b
 # later that is native to the device is tried after these. On GPUs the order follows the H200
 # measurements in benchmarks/results (bf16, forward+backward): cuDNN led at every shape, then Pallas
 # (Mosaic on Hopper), then Triton; calls cuDNN refuses (soft cap, dropout, segments, float32, ...)
-# fall through to our kernels, and the tuner measures them all when asked.
+# fall through to our kernels, and the tuner measures them all when asked. On Hopper a call with a
+# soft cap, segment ids, a mask or a bias takes the portable kernel measured fastest with it
+# (``_feature_backends``).
 _AUTO_ORDER = {
     "gpu": ("cudnn", "pallas", "triton", "xla"),
     "tpu": ("pallas", "xla"),
@@ -390,6 +392,59 @@ def _hopper_cfg(
     return None
 
 
+# Calls with a feature that the Mosaic kernels refuse, on Hopper: the backends that train and infer
+# fastest, measured by benchmarks/features_gpu.py on an H200 (bf16; 8x2048x32x64 and 4x4096x16x128,
+# causal and not; results/features_NVIDIA_H200_20261128-*.json, benchmarks/NOTES.md, forty-eighth
+# round). With a bias or a mask cuDNN read 0.82-0.99x the fastest, one of the portable kernels
+# 1.00x at every reading, which one depending on the feature:
+# - a soft cap: Triton (Pallas-Triton 0.82-0.98x, six readings);
+# - segment ids: Triton above head dim 64 (Pallas-Triton 0.84-0.87x), Pallas-Triton at 64 and
+#   below (Triton 0.61-0.93x, its dK/dV kernel spills there);
+# - a mask: to train, Triton above head dim 64 (1.00x at both shapes, Pallas-Triton 0.81-0.97x),
+#   Pallas-Triton at 64 (0.99-1.00x); to infer, Pallas-Triton (0.99-1.00x; Triton 0.85x and cuDNN
+#   0.95x at 4x4096x16x128);
+# - a bias: Pallas-Triton causal (1.00x at both shapes; Triton 0.88-0.96x, cuDNN 0.94-0.96x),
+#   Triton otherwise (1.00x, forward 0.99-1.00x; Pallas-Triton 0.88-0.99x, cuDNN 0.82-0.95x).
+# Other features keep the default order: with dropout Pallas-Triton read 0.97-0.99x; with a window
+# cuDNN 0.97-1.00x. The first feature of the list above that a call has decides.
+_TRITON = ("triton", "triton")
+_PALLAS_TRITON = ("pallas", "triton")
+
+
+def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """(training, inference) backends ``auto`` takes first on Hopper for this call; None: the
+    default order."""
+    spec, wide = shape.spec, shape.head_dim > 64
+    if spec.soft_cap is not None:
+        return _TRITON, _TRITON
+    if spec.has_segments:
+        return (_TRITON, _TRITON) if wide else (_PALLAS_TRITON, _PALLAS_TRITON)
+    if spec.has_mask:
+        return (_TRITON if wide else _PALLAS_TRITON), _PALLAS_TRITON
+    if spec.has_bias:
+        return (_PALLAS_TRITON, _PALLAS_TRITON) if spec.causal else (_TRITON, _TRITON)
+    return None
+
+
+def _feature_cfg(
+    shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
+) -> AttentionConfig | None:
+    """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
+    None where no preference applies or the preferred backends cannot do the call."""
+    pairs = _feature_backends(shape)
+    if pairs is None or not _is_hopper():
+        return None
+    cfgs = []
+    for platform, variant in pairs:
+        backend = backend_for(platform, variant)
+        params = backend.heuristic(shape)
+        if not _native(backend) or _refusal(backend, shape, args, kwargs, params) is not None:
+            return None
+        cfgs.append(_config(backend, params))
+    training, inference = cfgs
+    return training if inference == training else dataclasses.replace(training, inference=inference)
+
+
 def _native(backend: AttentionBackend) -> bool:
     return device_kind() in backend.devices and backend.available()
 
@@ -648,8 +703,10 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                     + "; ".join(reasons)
                 )
             backend = chosen[0]
-            hopper = _hopper_cfg(backend, shape, args, kwargs)
-            return hopper or _config(backend, backend.heuristic(shape))
+            preferred = _feature_cfg(shape, args, kwargs) or _hopper_cfg(
+                backend, shape, args, kwargs
+            )
+            return preferred or _config(backend, backend.heuristic(shape))
         backend = self._platform_backends(shape)[0]
         return _config(backend, backend.heuristic(shape))
 
