@@ -527,7 +527,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     ``platform`` (static) is ``"auto"`` or a registered platform: with ``"auto"``, selection chooses
     among the backends native to the device that can do the call (GPU: cuDNN, then Pallas with Mosaic
     GPU first on Hopper, then Triton, then XLA; on Hopper, where the pick is cuDNN, the Mosaic forward
-    with the Mosaic backward for small calls and cuDNN's backward kernel for large ones; CPU: XLA
+    with the Mosaic backward for small calls and cuDNN's backward kernel for large ones, and with a
+    soft cap, segment ids, a mask or a bias the portable kernel measured fastest with it; CPU: XLA
     dense for short sequences, chunked for long);
     with a platform, among that platform's variants (ones not native to the device run in their
     interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
