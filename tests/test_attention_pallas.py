@@ -391,6 +391,13 @@ TPU_CASES = {
                                 window=(40, 7), bias=(2, 1), cap=3.0),
     "segments_mask_dropout": Case(batch=2, segments=True, mask=(1, 2), dropout=0.2),
     "q_longer_bf16": Case(seq_q=160, seq_k=96, causal=True, dtype=jnp.bfloat16, dim=64),
+    # whole blocks skipped by the segments' spans (kv blocks of 128 over 384 keys)
+    "segments_packed_causal_gqa": Case(segments="packed", causal=True, seq_q=384, seq_k=384,
+                                       heads=4, kv_heads=2),
+    "segments_packed_ragged_bias": Case(batch=2, segments="packed", seq_q=200, seq_k=330,
+                                        bias=(2, 1)),
+    "segments_interleaved": Case(segments="interleaved", seq_q=192, seq_k=256),
+    "segments_unmatched_causal": Case(segments="unmatched", causal=True, seq_q=256, seq_k=256),
 }  # fmt: skip
 
 
@@ -1248,3 +1255,12 @@ def test_registered():
     ):
         backend = backend_for("pallas", variant)
         assert backend.fwd is module.fwd and backend.bwd is module.bwd
+
+
+def test_tpu_block_spans_cover_exactly_the_documents_of_each_block():
+    """Packed documents of 128 and 256 rows: the first block of 128 queries reaches key block 0
+    alone, the others key blocks 1 and 2; padding rows reach nothing."""
+    ids = jnp.asarray([[0] * 128 + [1] * 256], jnp.int32)
+    q_span, _ = _pallas_tpu._spans(ids, ids)
+    spans = _pallas_tpu._block_spans(q_span[:, 0], q_span[:, 1], 512, 128, 128)
+    assert spans.tolist() == [0, 1, 1, 3, 1, 3, 0, 0]

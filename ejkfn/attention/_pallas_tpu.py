@@ -11,7 +11,10 @@ marked ``"arbitrary"``, with accumulators in VMEM scratch:
 
 Blocks outside the causal/window band are skipped twice: their index maps are clamped into the band
 (the pipeline sees the same block index and issues no copy) and ``pl.when`` skips the compute. Blocks
-inside the band that need no element mask take an unmasked path.
+inside the band that need no element mask take an unmasked path. With segment ids the band is cut
+further to the blocks that share a segment with the tile's rows: each tile's span of blocks on the
+other side comes from ``_backend.segment_spans``, reduced per block outside the kernels and read by
+the index maps and kernels as scalar prefetch (packed documents skip the blocks of the others).
 
 A boolean mask is folded into the bias as ``-inf`` outside the kernel (its gradient is unaffected:
 masked weights are zero). Sequences are padded to block multiples and masked by their true lengths.
@@ -31,9 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._registry import BwdParams, FwdParams
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import AttentionBackend, AttentionShape, register_backend, segment_spans
 from ._dropout import keep_mask
-from ._pallas_gpu import _Geom, _kv_range, _q_range, _Refs
+from ._pallas_gpu import _cdiv, _Geom, _kv_range, _q_range, _Refs
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
@@ -166,11 +169,50 @@ def _clamp(bounds: Any, idx: Any, count: int) -> Any:
     return jnp.clip(idx, jnp.minimum(lo, count - 1), jnp.clip(hi - 1, 0, count - 1))
 
 
+def _block_spans(first: Any, end: Any, rows: int, block: int, other_block: int) -> jax.Array:
+    """Per block of ``block`` rows, the blocks of ``other_block`` rows on the other side that its
+    rows' segments reach, ``[lo, hi)``, flattened to ``[B * blocks * 2]`` int32 for SMEM; ``first``
+    and ``end`` are ``segment_spans``' ``[B, S]`` per row (padding rows reach nothing)."""
+    batch = first.shape[0]
+    first = _pad(first, 1, rows, jnp.iinfo(jnp.int32).max).reshape(batch, rows // block, block)
+    end = _pad(end, 1, rows, 0).reshape(batch, rows // block, block)
+    hi = _cdiv(jnp.max(end, axis=2), other_block)
+    lo = jnp.minimum(lax.div(jnp.min(first, axis=2), other_block), hi)
+    return jnp.stack([lo, hi], axis=2).reshape(-1)
+
+
+def _segment_band(bounds: Any, spans: Any, b: Any, blk: Any, blocks: int) -> tuple[Any, ...]:
+    """``bounds`` (every block masked with segment ids) cut to the span of block ``blk``."""
+    lo, _, _, hi = bounds
+    at = (b * blocks + blk) * 2
+    hi = jnp.minimum(hi, spans[at + 1])
+    lo = jnp.minimum(jnp.maximum(lo, spans[at]), hi)
+    return lo, hi, hi, hi
+
+
+def _kv_band(g: _Geom, b: Any, i: Any, spans: Any) -> tuple[Any, ...]:
+    """Key blocks of query block ``i`` (``_kv_range``), cut to its segments' span if any."""
+    bounds = _kv_range(g, i * g.bq, g.bq, g.bk)
+    return bounds if spans is None else _segment_band(bounds, spans, b, i, g.sqp // g.bq)
+
+
+def _q_band(g: _Geom, b: Any, kb: Any, spans: Any) -> tuple[Any, ...]:
+    """Query blocks of key block ``kb`` (``_q_range``), cut to its segments' span if any."""
+    bounds = _q_range(g, kb * g.bk, g.bq, g.bk)
+    return bounds if spans is None else _segment_band(bounds, spans, b, kb, g.skp // g.bk)
+
+
+def _split_spans(g: _Geom, refs: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    """The scalar-prefetched spans (first with segment ids) and the other refs."""
+    return (refs[0], refs[1:]) if g.spec.has_segments else (None, refs)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Kernels.
 
 
 def _fwd_kernel(*refs: Any, g: _Geom) -> None:
+    spans, refs = _split_spans(g, refs)
     r = _Refs(g, refs, ())
     o_ref, lse_ref, m_sc, l_sc, acc_sc = r.outs
     b, h, i, j = (pl.program_id(a) for a in range(4))
@@ -201,7 +243,7 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
         m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
         l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
 
-    unmasked, masked = _in_band(_kv_range(g, i * g.bq, g.bq, g.bk), j)
+    unmasked, masked = _in_band(_kv_band(g, b, i, spans), j)
     pl.when(unmasked)(functools.partial(step, False))
     pl.when(masked)(functools.partial(step, True))
 
@@ -216,6 +258,7 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
 
 
 def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
+    spans, refs = _split_spans(g, refs)
     r = _Refs(g, refs, ("do", "lse", "delta"))
     dk_ref, dv_ref, dk_sc, dv_sc = r.outs
     b, kvh, kb, step_idx = (pl.program_id(a) for a in range(4))
@@ -248,7 +291,7 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
             ds = ds * (1.0 - tanh * tanh)
         dk_sc[...] += _dot(g, ds.astype(q.dtype), q, (0, 0))
 
-    unmasked, masked = _in_band(_q_range(g, kb * g.bk, g.bq, g.bk), qi)
+    unmasked, masked = _in_band(_q_band(g, b, kb, spans), qi)
     pl.when(unmasked)(functools.partial(step, False))
     pl.when(masked)(functools.partial(step, True))
 
@@ -259,6 +302,7 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
 
 
 def _dq_kernel(*refs: Any, g: _Geom, want_dbias: bool) -> None:
+    spans, refs = _split_spans(g, refs)
     r = _Refs(g, refs, ("do", "lse", "delta"))
     if want_dbias:
         dq_ref, dbias_ref, dq_sc = r.outs
@@ -289,7 +333,7 @@ def _dq_kernel(*refs: Any, g: _Geom, want_dbias: bool) -> None:
             ds = ds * (1.0 - tanh * tanh)
         dq_sc[...] += _dot(g, ds.astype(k.dtype), k, (1, 0))
 
-    unmasked, masked = _in_band(_kv_range(g, i * g.bq, g.bq, g.bk), j)
+    unmasked, masked = _in_band(_kv_band(g, b, i, spans), j)
     pl.when(unmasked)(functools.partial(step, False))
     pl.when(masked)(functools.partial(step, True))
     if dbias_ref is not None:
@@ -385,6 +429,43 @@ def _params(semantics: tuple[str, ...]) -> Any:
     return pltpu.CompilerParams(dimension_semantics=semantics)
 
 
+def _spans(q_seg: Any, kv_seg: Any) -> tuple[Any, Any]:
+    """``segment_spans`` as ``[B, 2, Sq]`` and ``[B, 2, Sk]`` (first, end); Nones without ids."""
+    if q_seg is None:
+        return None, None
+    q_span, kv_span = segment_spans(q_seg, kv_seg)
+    return q_span[:, 1:], kv_span[:, 1:]
+
+
+def _first(prefetched: tuple[Any, ...]) -> Any:
+    return prefetched[0] if prefetched else None
+
+
+def _call(
+    kernel: Any,
+    spans: Any,
+    *,
+    grid: tuple[int, ...],
+    in_specs: list[Any],
+    out_specs: list[Any],
+    scratch_shapes: list[Any],
+    **options: Any,
+) -> Any:
+    """``pl.pallas_call`` (``options`` passed on) whose index maps and kernel get ``spans`` (if
+    any) as scalar prefetch: index maps take ``(*grid indices, *prefetched)``, the kernel the
+    prefetched refs before its others."""
+    prefetch = () if spans is None else (spans,)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch_shapes,
+    )
+    call = pl.pallas_call(kernel, grid_spec=grid_spec, **options)
+    return lambda *args: call(*prefetch, *args)
+
+
 def fwd(
     q: Any,
     k: Any,
@@ -406,23 +487,26 @@ def fwd(
     kspec = _kernel_spec(spec)
     g = _geom(q, k, bias, kspec, params.q_blocksize, params.kv_blocksize)
     nqb, nkb = g.sqp // g.bq, g.skp // g.bk
+    q_span, _ = _spans(q_seg, kv_seg)
+    spans = None if q_span is None else _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq, g.bk)
 
-    def kv_block(b: Any, h: Any, i: Any, j: Any) -> Any:
-        return _clamp(_kv_range(g, i * g.bq, g.bq, g.bk), j, nkb)
+    def kv_block(b: Any, h: Any, i: Any, j: Any, *prefetched: Any) -> Any:
+        return _clamp(_kv_band(g, b, i, _first(prefetched)), j, nkb)
 
-    qspec = pl.BlockSpec((None, None, g.bq, g.head_dim), lambda b, h, i, j: (b, h, i, 0))
+    qspec = pl.BlockSpec((None, None, g.bq, g.head_dim), lambda b, h, i, j, *_: (b, h, i, 0))
     kvspec = pl.BlockSpec(
         (None, None, g.bk, g.head_dim),
-        lambda b, h, i, j: (b, h // g.group, kv_block(b, h, i, j), 0),
+        lambda b, h, i, j, *sp: (b, h // g.group, kv_block(b, h, i, j, *sp), 0),
     )
-    extra_specs = _extra_specs(g, lambda b, h, i, j: (b, h, i, kv_block(b, h, i, j)))
-    out, lse = pl.pallas_call(
+    extra_specs = _extra_specs(g, lambda b, h, i, j, *sp: (b, h, i, kv_block(b, h, i, j, *sp)))
+    out, lse = _call(
         functools.partial(_fwd_kernel, g=g),
+        spans,
         grid=(g.batch, g.heads, nqb, nkb),
         in_specs=[qspec, kvspec, kvspec, *extra_specs],
         out_specs=[
             qspec,
-            pl.BlockSpec((None, None, g.bq, LANES), lambda b, h, i, j: (b, h, i, 0)),
+            pl.BlockSpec((None, None, g.bq, LANES), lambda b, h, i, j, *_: (b, h, i, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp, g.head_dim), q.dtype),
@@ -478,19 +562,23 @@ def bwd(
     kp, vp = _bhsd(k, g.skp), _bhsd(v, g.skp)
     extras = _extras(g, bias, q_seg, kv_seg, seed)
     semantics = ("parallel", "parallel", "parallel", "arbitrary")
+    q_span, kv_span = _spans(q_seg, kv_seg)
+    q_spans = kv_spans = None
+    if q_span is not None:
+        q_spans = _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq, g.bk)
+        kv_spans = _block_spans(kv_span[:, 0], kv_span[:, 1], g.skp, g.bk, g.bq)
 
     # dK, dV: grid (B, KV heads, kv blocks, group * q blocks).
-    def q_block(b: Any, kvh: Any, kb: Any, s: Any) -> Any:
-        return _clamp(_q_range(g, kb * g.bk, g.bq, g.bk), s % nqb, nqb)
-
-    def qrow(b: Any, kvh: Any, kb: Any, s: Any) -> tuple[Any, Any, Any]:
-        return b, kvh * group + s // nqb, q_block(b, kvh, kb, s)
+    def qrow(b: Any, kvh: Any, kb: Any, s: Any, *prefetched: Any) -> tuple[Any, Any, Any]:
+        q_block = _clamp(_q_band(g, b, kb, _first(prefetched)), s % nqb, nqb)
+        return b, kvh * group + s // nqb, q_block
 
     qs = pl.BlockSpec((None, None, g.bq, g.head_dim), lambda *i: (*qrow(*i), 0))
     rows = pl.BlockSpec((None, None, g.bq, LANES), lambda *i: (*qrow(*i), 0))
-    kvs = pl.BlockSpec((None, None, g.bk, g.head_dim), lambda b, kvh, kb, s: (b, kvh, kb, 0))
-    dk, dv = pl.pallas_call(
+    kvs = pl.BlockSpec((None, None, g.bk, g.head_dim), lambda b, kvh, kb, s, *_: (b, kvh, kb, 0))
+    dk, dv = _call(
         functools.partial(_dkdv_kernel, g=g),
+        kv_spans,
         grid=(g.batch, g.kv_heads, nkb, group * nqb),
         in_specs=[
             qs,
@@ -499,7 +587,7 @@ def bwd(
             qs,
             rows,
             rows,
-            *_extra_specs(g, lambda b, kvh, kb, s: (*qrow(b, kvh, kb, s), kb)),
+            *_extra_specs(g, lambda b, kvh, kb, s, *sp: (*qrow(b, kvh, kb, s, *sp), kb)),
         ],
         out_specs=[kvs, kvs],
         out_shape=[
@@ -518,22 +606,25 @@ def bwd(
     # dQ (and dbias): grid (B, H, q blocks, kv blocks).
     want_dbias = user_bias is not None
 
-    def kv_block(b: Any, h: Any, i: Any, j: Any) -> Any:
-        return _clamp(_kv_range(g, i * g.bq, g.bq, g.bk), j, nkb)
+    def kv_block(b: Any, h: Any, i: Any, j: Any, *prefetched: Any) -> Any:
+        return _clamp(_kv_band(g, b, i, _first(prefetched)), j, nkb)
 
-    qspec = pl.BlockSpec((None, None, g.bq, g.head_dim), lambda b, h, i, j: (b, h, i, 0))
-    rowspec = pl.BlockSpec((None, None, g.bq, LANES), lambda b, h, i, j: (b, h, i, 0))
+    qspec = pl.BlockSpec((None, None, g.bq, g.head_dim), lambda b, h, i, j, *_: (b, h, i, 0))
+    rowspec = pl.BlockSpec((None, None, g.bq, LANES), lambda b, h, i, j, *_: (b, h, i, 0))
     kvspec = pl.BlockSpec(
         (None, None, g.bk, g.head_dim),
-        lambda b, h, i, j: (b, h // group, kv_block(b, h, i, j), 0),
+        lambda b, h, i, j, *sp: (b, h // group, kv_block(b, h, i, j, *sp), 0),
     )
     out_specs = [qspec]
     out_shape = [jax.ShapeDtypeStruct(qp.shape, q.dtype)]
     if want_dbias:
-        out_specs.append(pl.BlockSpec((None, None, g.bq, g.bk), lambda b, h, i, j: (b, h, i, j)))
+        out_specs.append(
+            pl.BlockSpec((None, None, g.bq, g.bk), lambda b, h, i, j, *_: (b, h, i, j))
+        )
         out_shape.append(jax.ShapeDtypeStruct((g.batch, g.heads, g.sqp, g.skp), jnp.float32))
-    res = pl.pallas_call(
+    res = _call(
         functools.partial(_dq_kernel, g=g, want_dbias=want_dbias),
+        q_spans,
         grid=(g.batch, g.heads, nqb, nkb),
         in_specs=[
             qspec,
@@ -542,7 +633,7 @@ def bwd(
             qspec,
             rowspec,
             rowspec,
-            *_extra_specs(g, lambda b, h, i, j: (b, h, i, kv_block(b, h, i, j))),
+            *_extra_specs(g, lambda b, h, i, j, *sp: (b, h, i, kv_block(b, h, i, j, *sp))),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
