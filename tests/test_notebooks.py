@@ -53,6 +53,14 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "tuned for flash_attention/",
         "same output: True",
     ),
+    "05_attention_features": (
+        "max |packed - one call a document| = ",
+        "same seed, same output: True",
+        "another seed, another output: True",
+        "gradient finite: True",
+        "max |d capped - d by hand| = ",
+        "window    -> xla/dense",
+    ),
 }
 # Rich outputs each notebook must show.
 EXPECTED_MIME: dict[str, tuple[str, ...]] = {"01_quickstart": ("image/png",)}
