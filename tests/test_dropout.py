@@ -44,6 +44,7 @@ def test_neighbours_are_uncorrelated(seed: int) -> None:
     # A correlation estimated from about 65k pairs has a standard deviation near 0.004.
     kept = _keep(seed, 0.5)
     assert abs(_correlation(kept[:, :, 1:], kept[:, :, :-1])) < 0.03  # columns
+    assert abs(_correlation(kept[:, :, 0::2], kept[:, :, 1::2])) < 0.03  # the halves of one hash
     assert abs(_correlation(kept[:, 1:, :], kept[:, :-1, :])) < 0.03  # rows
     assert abs(_correlation(kept[1], kept[0])) < 0.03  # heads
 
