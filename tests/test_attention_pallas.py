@@ -1262,5 +1262,7 @@ def test_tpu_block_spans_cover_exactly_the_documents_of_each_block():
     alone, the others key blocks 1 and 2; padding rows reach nothing."""
     ids = jnp.asarray([[0] * 128 + [1] * 256], jnp.int32)
     q_span, _ = _pallas_tpu._spans(ids, ids)
-    spans = _pallas_tpu._block_spans(q_span[:, 0], q_span[:, 1], 512, 128, 128)
-    assert spans.tolist() == [0, 1, 1, 3, 1, 3, 0, 0]
+    spans = _pallas_tpu._block_spans(q_span[:, 0], q_span[:, 1], 512, 128)
+    every = (0, 0, 0, 4)  # key blocks [0, 4), all masked
+    bands = [_pallas_tpu._segment_band(every, spans, 0, i, 4, 128)[:2] for i in range(4)]
+    assert [int(x) for band in bands for x in band] == [0, 1, 1, 3, 1, 3, 0, 0]

@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._registry import BwdParams, FwdParams
 from ._backend import AttentionBackend, AttentionShape, register_backend, segment_spans
 from ._dropout import keep_mask
-from ._pallas_gpu import _cdiv, _Geom, _kv_range, _q_range, _Refs
+from ._pallas_gpu import _Geom, _kv_range, _q_range, _Refs, _segment_blocks
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
@@ -169,37 +169,34 @@ def _clamp(bounds: Any, idx: Any, count: int) -> Any:
     return jnp.clip(idx, jnp.minimum(lo, count - 1), jnp.clip(hi - 1, 0, count - 1))
 
 
-def _block_spans(first: Any, end: Any, rows: int, block: int, other_block: int) -> jax.Array:
-    """Per block of ``block`` rows, the blocks of ``other_block`` rows on the other side that its
-    rows' segments reach, ``[lo, hi)``, flattened to ``[B * blocks * 2]`` int32 for SMEM; ``first``
-    and ``end`` are ``segment_spans``' ``[B, S]`` per row (padding rows reach nothing)."""
+def _block_spans(first: Any, end: Any, rows: int, block: int) -> jax.Array:
+    """Per block of ``block`` rows, the rows of the other side that its rows' segments reach,
+    ``(min first, max end)``, flattened to ``[B * blocks * 2]`` int32 for SMEM; ``first`` and
+    ``end`` are ``segment_spans``' ``[B, S]`` per row (padding rows reach nothing)."""
     batch = first.shape[0]
     first = _pad(first, 1, rows, jnp.iinfo(jnp.int32).max).reshape(batch, rows // block, block)
     end = _pad(end, 1, rows, 0).reshape(batch, rows // block, block)
-    hi = _cdiv(jnp.max(end, axis=2), other_block)
-    lo = jnp.minimum(lax.div(jnp.min(first, axis=2), other_block), hi)
-    return jnp.stack([lo, hi], axis=2).reshape(-1)
+    return jnp.stack([jnp.min(first, axis=2), jnp.max(end, axis=2)], axis=2).reshape(-1)
 
 
-def _segment_band(bounds: Any, spans: Any, b: Any, blk: Any, blocks: int) -> tuple[Any, ...]:
-    """``bounds`` (every block masked with segment ids) cut to the span of block ``blk``."""
-    lo, _, _, hi = bounds
+def _segment_band(
+    bounds: Any, spans: Any, b: Any, blk: Any, blocks: int, other_block: int
+) -> tuple[Any, ...]:
+    """``bounds`` cut to the span of block ``blk`` of batch row ``b`` (``_segment_blocks``)."""
     at = (b * blocks + blk) * 2
-    hi = jnp.minimum(hi, spans[at + 1])
-    lo = jnp.minimum(jnp.maximum(lo, spans[at]), hi)
-    return lo, hi, hi, hi
+    return _segment_blocks(bounds, (spans[at], spans[at + 1]), other_block)
 
 
 def _kv_band(g: _Geom, b: Any, i: Any, spans: Any) -> tuple[Any, ...]:
     """Key blocks of query block ``i`` (``_kv_range``), cut to its segments' span if any."""
     bounds = _kv_range(g, i * g.bq, g.bq, g.bk)
-    return bounds if spans is None else _segment_band(bounds, spans, b, i, g.sqp // g.bq)
+    return bounds if spans is None else _segment_band(bounds, spans, b, i, g.sqp // g.bq, g.bk)
 
 
 def _q_band(g: _Geom, b: Any, kb: Any, spans: Any) -> tuple[Any, ...]:
     """Query blocks of key block ``kb`` (``_q_range``), cut to its segments' span if any."""
     bounds = _q_range(g, kb * g.bk, g.bq, g.bk)
-    return bounds if spans is None else _segment_band(bounds, spans, b, kb, g.skp // g.bk)
+    return bounds if spans is None else _segment_band(bounds, spans, b, kb, g.skp // g.bk, g.bq)
 
 
 def _split_spans(g: _Geom, refs: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
@@ -488,7 +485,7 @@ def fwd(
     g = _geom(q, k, bias, kspec, params.q_blocksize, params.kv_blocksize)
     nqb, nkb = g.sqp // g.bq, g.skp // g.bk
     q_span, _ = _spans(q_seg, kv_seg)
-    spans = None if q_span is None else _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq, g.bk)
+    spans = None if q_span is None else _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq)
 
     def kv_block(b: Any, h: Any, i: Any, j: Any, *prefetched: Any) -> Any:
         return _clamp(_kv_band(g, b, i, _first(prefetched)), j, nkb)
@@ -565,8 +562,8 @@ def bwd(
     q_span, kv_span = _spans(q_seg, kv_seg)
     q_spans = kv_spans = None
     if q_span is not None:
-        q_spans = _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq, g.bk)
-        kv_spans = _block_spans(kv_span[:, 0], kv_span[:, 1], g.skp, g.bk, g.bq)
+        q_spans = _block_spans(q_span[:, 0], q_span[:, 1], g.sqp, g.bq)
+        kv_spans = _block_spans(kv_span[:, 0], kv_span[:, 1], g.skp, g.bk)
 
     # dK, dV: grid (B, KV heads, kv blocks, group * q blocks).
     def qrow(b: Any, kvh: Any, kb: Any, s: Any, *prefetched: Any) -> tuple[Any, Any, Any]:
