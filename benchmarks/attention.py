@@ -79,6 +79,17 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
     return shapes
 
 
+def parse_params(text: str, cls: type) -> Any:
+    """``"128x64x8x3[xmirrored]"`` as ``cls(q_blocksize, kv_blocksize, num_warps, num_stages,
+    variant)``: a block config on the command line (``FwdParams`` or ``BwdParams``)."""
+    bq, bk, warps, stages, *variant = text.split("x")
+    extra = dict(variant=variant[0]) if variant else {}
+    return cls(
+        q_blocksize=int(bq), kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages),
+        **extra,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     batch: int

@@ -35,12 +35,14 @@ from attention import (
     check_then_time,
     fwd_bwd,
     inputs,
+    parse_params,
     parse_shapes,
     rel_err,
     save_rows,
 )
 
 import ejkfn
+from ejkfn import BwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
 from ejkfn.attention._reference import reference_attention
 
@@ -114,9 +116,13 @@ def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
     return AttentionShape.of(q, k, spec)
 
 
-def impls(case: Case, feature: str) -> dict[str, Callable[..., jax.Array]]:
+def impls(
+    case: Case, feature: str, extra_bwd: tuple[str, ...] = ()
+) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v) -> out`` with ``feature``'s arrays closed over: each native backend
-    that takes the feature on its heuristic config (XLA's left out), and ``auto``."""
+    that takes the feature on its heuristic config (XLA's left out), ``auto``, and for each
+    ``"platform:BQxBKxWxS[xvariant]"`` in ``extra_bwd`` that platform's heuristic forward with
+    those backward blocks."""
     spec = case_spec(case, feature)
     shape, static, arrays = (
         call_shape(case, spec),
@@ -134,10 +140,21 @@ def impls(case: Case, feature: str) -> dict[str, Callable[..., jax.Array]]:
             fp, bp = backend.heuristic(shape)
         except NotImplementedError:
             continue
-        cfg = AttentionConfig(platform=backend.platform, variant=backend.variant, fwd=fp, bwd=bp)
-        out[f"{backend.platform}/{backend.variant}"] = lambda q, k, v, cfg=cfg: (
-            ejkfn.flash_attention(q, k, v, **arrays, **static, cfg=cfg)
-        )
+        cfgs = {f"{backend.platform}/{backend.variant}": (fp, bp)}
+        for item in extra_bwd:
+            platform, _, blocks = item.partition(":")
+            if platform == backend.platform:
+                cfgs[f"{platform}/{backend.variant} bwd {blocks}"] = (
+                    fp,
+                    parse_params(blocks, BwdParams),
+                )
+        for name, (fp, bp) in cfgs.items():
+            cfg = AttentionConfig(
+                platform=backend.platform, variant=backend.variant, fwd=fp, bwd=bp
+            )
+            out[name] = lambda q, k, v, cfg=cfg: ejkfn.flash_attention(
+                q, k, v, **arrays, **static, cfg=cfg
+            )
     out["auto"] = lambda q, k, v: ejkfn.flash_attention(q, k, v, **arrays, **static)
     return out
 
@@ -161,7 +178,12 @@ def auto_pick(case: Case, feature: str) -> str:
     return name
 
 
-def check(case: Case, feature: str, fns: dict[str, Callable[..., jax.Array]]) -> dict[str, float]:
+def check(
+    case: Case,
+    feature: str,
+    fns: dict[str, Callable[..., jax.Array]],
+    extra_bwd: tuple[str, ...] = (),
+) -> dict[str, float]:
     """name -> largest relative error of output and q, k, v gradients against the float32
     reference, at batch 1 and at most ``CHECK_SEQ`` positions."""
     small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
@@ -177,7 +199,7 @@ def check(case: Case, feature: str, fns: dict[str, Callable[..., jax.Array]]) ->
 
     sets = inputs(small, 7)
     expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
-    small_fns = impls(small, feature)
+    small_fns = impls(small, feature, extra_bwd)
     errors = {}
     for name in fns:
         try:
@@ -196,10 +218,11 @@ def measure(
     sets: list[tuple[jax.Array, ...]],
     calls: int,
     rounds: int,
+    extra_bwd: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """The rows of one case and feature: every implementation checked, those that pass timed."""
-    fns = impls(case, feature)
-    errors = check(case, feature, fns)
+    fns = impls(case, feature, extra_bwd)
+    errors = check(case, feature, fns, extra_bwd)
     picked = auto_pick(case, feature)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []
@@ -251,6 +274,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument(
+        "--bwd",
+        default="",
+        help="more backward blocks to time, comma-separated PLATFORM:BQxBKxWxS[xVARIANT]",
+    )
+    parser.add_argument(
         "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
     )
     args = parser.parse_args()
@@ -260,6 +288,11 @@ def main() -> int:
     passes = args.passes.split(",")
     if unknown := sorted(set(passes) - {"fwd", "bwd"}):
         parser.error(f"--passes: {unknown} not among ['fwd', 'bwd']")
+    extra_bwd = tuple(filter(None, args.bwd.split(",")))
+    for item in extra_bwd:
+        platform, sep, blocks = item.partition(":")
+        if not sep or len(blocks.split("x")) not in (4, 5):
+            parser.error(f"--bwd: {item!r} is not PLATFORM:BQxBKxWxS[xVARIANT]")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for b, s, h, kvh, d in parse_shapes(args.shapes):
@@ -270,7 +303,7 @@ def main() -> int:
                 if args.seconds and time.time() - t0 > args.seconds:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue
-                done = measure(case, feature, passes, sets, args.calls, args.rounds)
+                done = measure(case, feature, passes, sets, args.calls, args.rounds, extra_bwd)
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
                 print("\n".join(table_line(r) for r in done), flush=True)
                 rows += done

@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import MASKS, Case, parse_shapes
+from attention import MASKS, Case, parse_params, parse_shapes
 from features_gpu import FEATURES, feature_arrays, feature_spec
 
 from ejkfn import BwdParams, FwdParams
@@ -227,16 +227,6 @@ def _print_loops(row: dict[str, Any]) -> None:
         )
 
 
-def _params(text: str, cls: type) -> Any:
-    """``"128x64x8x3[xmirrored]"`` as ``cls(q_blocksize, kv_blocksize, num_warps, num_stages, ...)``."""
-    bq, bk, warps, stages, *variant = text.split("x")
-    extra = dict(variant=variant[0]) if variant else {}
-    return cls(
-        q_blocksize=int(bq), kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages),
-        **extra,
-    )  # fmt: skip
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="8x2048x32x64,4x4096x16x128")
@@ -270,8 +260,8 @@ def main() -> int:
             k = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
             shape = AttentionShape.of(q, k, feature_spec(spec, args.feature, s))
             fp, bp = _triton.heuristic(shape)
-            fp = _params(args.fwd, FwdParams) if args.fwd else fp
-            bp = _params(args.bwd, BwdParams) if args.bwd else bp
+            fp = parse_params(args.fwd, FwdParams) if args.fwd else fp
+            bp = parse_params(args.bwd, BwdParams) if args.bwd else bp
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
             case += "" if args.feature == "none" else f" +{args.feature}"
             for name, launch in launches(shape, fp, bp, args.feature).items():
