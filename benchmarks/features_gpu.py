@@ -42,7 +42,7 @@ from attention import (
 )
 
 import ejkfn
-from ejkfn import BwdParams
+from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
 from ejkfn.attention._reference import reference_attention
 
@@ -117,12 +117,12 @@ def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
 
 
 def impls(
-    case: Case, feature: str, extra_bwd: tuple[str, ...] = ()
+    case: Case, feature: str, blocks: tuple[str, ...] = ()
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v) -> out`` with ``feature``'s arrays closed over: each native backend
     that takes the feature on its heuristic config (XLA's left out), ``auto``, and for each
-    ``"platform:BQxBKxWxS[xvariant]"`` in ``extra_bwd`` that platform's heuristic forward with
-    those backward blocks."""
+    ``"platform:fwd|bwd:BQxBKxWxS[xvariant]"`` in ``blocks`` that platform's heuristic config
+    with that pass's blocks replaced."""
     spec = case_spec(case, feature)
     shape, static, arrays = (
         call_shape(case, spec),
@@ -141,12 +141,14 @@ def impls(
         except NotImplementedError:
             continue
         cfgs = {f"{backend.platform}/{backend.variant}": (fp, bp)}
-        for item in extra_bwd:
-            platform, _, blocks = item.partition(":")
+        for item in blocks:
+            platform, which, text = item.split(":")
             if platform == backend.platform:
-                cfgs[f"{platform}/{backend.variant} bwd {blocks}"] = (
-                    fp,
-                    parse_params(blocks, BwdParams),
+                name = f"{platform}/{backend.variant} {which} {text}"
+                cfgs[name] = (
+                    (parse_params(text, FwdParams), bp)
+                    if which == "fwd"
+                    else (fp, parse_params(text, BwdParams))
                 )
         for name, (fp, bp) in cfgs.items():
             cfg = AttentionConfig(
@@ -182,7 +184,7 @@ def check(
     case: Case,
     feature: str,
     fns: dict[str, Callable[..., jax.Array]],
-    extra_bwd: tuple[str, ...] = (),
+    blocks: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """name -> largest relative error of output and q, k, v gradients against the float32
     reference, at batch 1 and at most ``CHECK_SEQ`` positions."""
@@ -199,7 +201,7 @@ def check(
 
     sets = inputs(small, 7)
     expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
-    small_fns = impls(small, feature, extra_bwd)
+    small_fns = impls(small, feature, blocks)
     errors = {}
     for name in fns:
         try:
@@ -218,11 +220,11 @@ def measure(
     sets: list[tuple[jax.Array, ...]],
     calls: int,
     rounds: int,
-    extra_bwd: tuple[str, ...] = (),
+    blocks: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """The rows of one case and feature: every implementation checked, those that pass timed."""
-    fns = impls(case, feature, extra_bwd)
-    errors = check(case, feature, fns, extra_bwd)
+    fns = impls(case, feature, blocks)
+    errors = check(case, feature, fns, blocks)
     picked = auto_pick(case, feature)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []
@@ -274,9 +276,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument(
-        "--bwd",
+        "--blocks",
         default="",
-        help="more backward blocks to time, comma-separated PLATFORM:BQxBKxWxS[xVARIANT]",
+        help="more blocks to time, comma-separated PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT]",
     )
     parser.add_argument(
         "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
@@ -288,11 +290,15 @@ def main() -> int:
     passes = args.passes.split(",")
     if unknown := sorted(set(passes) - {"fwd", "bwd"}):
         parser.error(f"--passes: {unknown} not among ['fwd', 'bwd']")
-    extra_bwd = tuple(filter(None, args.bwd.split(",")))
-    for item in extra_bwd:
-        platform, sep, blocks = item.partition(":")
-        if not sep or len(blocks.split("x")) not in (4, 5):
-            parser.error(f"--bwd: {item!r} is not PLATFORM:BQxBKxWxS[xVARIANT]")
+    blocks = tuple(filter(None, args.blocks.split(",")))
+    for item in blocks:
+        parts = item.split(":")
+        if (
+            len(parts) != 3
+            or parts[1] not in ("fwd", "bwd")
+            or len(parts[2].split("x")) not in (4, 5)
+        ):
+            parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT]")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for b, s, h, kvh, d in parse_shapes(args.shapes):
@@ -303,7 +309,7 @@ def main() -> int:
                 if args.seconds and time.time() - t0 > args.seconds:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue
-                done = measure(case, feature, passes, sets, args.calls, args.rounds, extra_bwd)
+                done = measure(case, feature, passes, sets, args.calls, args.rounds, blocks)
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
                 print("\n".join(table_line(r) for r in done), flush=True)
                 rows += done

@@ -687,12 +687,14 @@ _PT, _TRI = ("pallas", "triton"), ("triton", "triton")
     [
         (64, True, "soft_cap", _TRI, _TRI),
         (128, False, "soft_cap+mask", _TRI, _TRI),  # the soft cap decides
-        (64, True, "segments", _PT, _PT),
+        (64, True, "segments", _TRI, _PT),
+        (64, True, "segments+dropout", _TRI, _PT),  # the segments decide
         (128, True, "segments", _TRI, _TRI),
         (64, False, "mask", _PT, _PT),
         (128, True, "mask", _TRI, _PT),
         (64, True, "bias", _PT, _PT),
         (128, False, "bias", _TRI, _TRI),
+        (64, True, "dropout", _TRI, _TRI),
         (128, True, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
         (128, True, "window", ("cudnn", "cudnn"), ("cudnn", "cudnn")),
     ],

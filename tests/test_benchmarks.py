@@ -696,8 +696,8 @@ def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
 
 
 def test_features_benchmark_adds_the_backward_blocks_asked_for(monkeypatch):
-    """``--bwd triton:...`` adds a Triton row on those blocks beside the heuristic's; another
-    platform's blocks add nothing to Triton."""
+    """``--blocks triton:bwd:...`` adds a Triton row on those blocks beside the heuristic's;
+    another platform's blocks add nothing to Triton."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import features_gpu
@@ -705,14 +705,18 @@ def test_features_benchmark_adds_the_backward_blocks_asked_for(monkeypatch):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     monkeypatch.setattr(features_gpu.ejkfn, "device_kind", lambda: "gpu")
-    names = features_gpu.impls(Case(1, 256, 2, 2, 64, True), "segments", ("triton:32x64x4x3",))
-    assert "triton/triton bwd 32x64x4x3" in names and "triton/triton" in names
-    assert not any(n.startswith("pallas/triton bwd") for n in names)
+    blocks = ("triton:bwd:32x64x4x3", "triton:fwd:64x32x4x3")
+    names = features_gpu.impls(Case(1, 256, 2, 2, 64, True), "segments", blocks)
+    assert {"triton/triton", "triton/triton bwd 32x64x4x3", "triton/triton fwd 64x32x4x3"} <= set(
+        names
+    )
+    assert not any(n.startswith("pallas/triton ") for n in names)
 
 
 def test_features_benchmark_names_a_malformed_backward_block(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--bwd", "triton:32x64"],
+        [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--blocks", "triton:bwd:32x64"],
         capture_output=True, text=True, cwd=ROOT / "benchmarks",
     )  # fmt: skip
-    assert proc.returncode == 2 and "'triton:32x64' is not PLATFORM:BQxBKxWxS" in proc.stderr
+    assert proc.returncode == 2
+    assert "'triton:bwd:32x64' is not PLATFORM:fwd|bwd:BQxBKxWxS" in proc.stderr

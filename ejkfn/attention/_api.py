@@ -398,15 +398,18 @@ def _hopper_cfg(
 # round). With a bias or a mask cuDNN read 0.82-0.99x the fastest, one of the portable kernels
 # 1.00x at every reading, which one depending on the feature:
 # - a soft cap: Triton (Pallas-Triton 0.82-0.98x, six readings);
-# - segment ids: Triton above head dim 64 (Pallas-Triton 0.84-0.87x), Pallas-Triton at 64 and
-#   below (Triton 0.61-0.93x, its dK/dV kernel spills there);
+# - segment ids: Triton to train (above head dim 64 Pallas-Triton 0.84-0.87x; at 64, since
+#   Triton's dK/dV blocks there stopped spilling, 0.88x, features_NVIDIA_H200_20261128-194741);
+#   to infer, Triton above head dim 64, Pallas-Triton at 64 (Triton's forward 0.93x);
 # - a mask: to train, Triton above head dim 64 (1.00x at both shapes, Pallas-Triton 0.81-0.97x),
 #   Pallas-Triton at 64 (0.99-1.00x); to infer, Pallas-Triton (0.99-1.00x; Triton 0.85x and cuDNN
 #   0.95x at 4x4096x16x128);
 # - a bias: Pallas-Triton causal (1.00x at both shapes; Triton 0.88-0.96x, cuDNN 0.94-0.96x),
 #   Triton otherwise (1.00x, forward 0.99-1.00x; Pallas-Triton 0.88-0.99x, cuDNN 0.82-0.95x).
-# Other features keep the default order: with dropout Pallas-Triton read 0.97-0.99x; with a window
-# cuDNN 0.97-1.00x. The first feature of the list above that a call has decides.
+# - dropout at head dim 64: Triton (Pallas-Triton 0.94x, forward 0.97x; -194741 and -183035).
+# Other features keep the default order: with dropout above head dim 64 Pallas-Triton read
+# 0.99x, Triton 0.86-0.98x; with a window cuDNN 0.97-1.00x. The first feature of the list above
+# that a call has decides.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 
@@ -418,11 +421,13 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
     if spec.soft_cap is not None:
         return _TRITON, _TRITON
     if spec.has_segments:
-        return (_TRITON, _TRITON) if wide else (_PALLAS_TRITON, _PALLAS_TRITON)
+        return _TRITON, (_TRITON if wide else _PALLAS_TRITON)
     if spec.has_mask:
         return (_TRITON if wide else _PALLAS_TRITON), _PALLAS_TRITON
     if spec.has_bias:
         return (_PALLAS_TRITON, _PALLAS_TRITON) if spec.causal else (_TRITON, _TRITON)
+    if spec.dropout_prob > 0.0 and not wide:
+        return _TRITON, _TRITON
     return None
 
 

@@ -404,7 +404,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
         # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
-        if shape.spec.causal:
+        # With segment ids or dropout the causal blocks below spill (272 and 164 bytes in the
+        # dK/dV kernel); 64 x 64 on 4 warps spills nothing and ran forward+backward 1.85x and
+        # 1.09x them at 8x2048x32x64 causal (results/features_NVIDIA_H200_20261128-194741.json).
+        spills = {"segment_ids", "dropout"} & shape.spec.features
+        if shape.spec.causal and not spills:
             # dK/dV keeping 128 keys on 4 warps and streaming 32; dQ keeping 128 rows on 8 and
             # streaming 64. Forward+backward 1.008-1.044x dQ keeping 64 rows on 4 warps
             # (mirrored_half) at 8x2048x32x64 and 2x8192x32x64 causal, alone about as fast but at
