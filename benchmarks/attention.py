@@ -459,12 +459,15 @@ def load_module(path: str | Path, name: str) -> types.ModuleType:
     return module
 
 
-def save_rows(folder: str | Path, prefix: str, rows: list[dict[str, Any]]) -> Path:
-    """``rows`` with the device's description as ``folder/<prefix>_<device>_<time>.json``."""
+def save_rows(
+    folder: str | Path, prefix: str, rows: list[dict[str, Any]], stamp: str | None = None
+) -> Path:
+    """``rows`` with the device's description as ``folder/<prefix>_<device>_<stamp>.json``, the
+    stamp the time now unless given (a run that saves as it goes rewrites one file)."""
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     kind = jax.devices()[0].device_kind.replace(" ", "_")
-    path = out / f"{prefix}_{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path = out / f"{prefix}_{kind}_{stamp or time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(dict(device=device_info(), rows=rows), indent=1))
     print("saved", path.name)
     return path

@@ -300,7 +300,7 @@ def main() -> int:
         ):
             parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT]")
     rows: list[dict[str, Any]] = []
-    t0 = time.time()
+    t0, stamp = time.time(), time.strftime("%Y%m%d-%H%M%S")
     for b, s, h, kvh, d in parse_shapes(args.shapes):
         for causal in MASKS[args.masks]:
             case = Case(b, s, h, kvh, d, causal)
@@ -313,10 +313,12 @@ def main() -> int:
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
                 print("\n".join(table_line(r) for r in done), flush=True)
                 rows += done
+                if args.out:  # as it goes: the device's time limit may end the run
+                    save_rows(args.out, "features", rows, stamp)
     print(f"\n{TABLE_HEADER}")
     print("\n".join(table_line(r) for r in rows))
     if args.out:
-        save_rows(args.out, "features", rows)
+        save_rows(args.out, "features", rows, stamp)
     return 0
 
 
