@@ -150,9 +150,9 @@ def impls(
                     if which == "fwd"
                     else (fp, parse_params(text, BwdParams))
                 )
-        for name, (fp, bp) in cfgs.items():
+        for name, (fwd, bwd) in cfgs.items():
             cfg = AttentionConfig(
-                platform=backend.platform, variant=backend.variant, fwd=fp, bwd=bp
+                platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd
             )
             out[name] = lambda q, k, v, cfg=cfg: ejkfn.flash_attention(
                 q, k, v, **arrays, **static, cfg=cfg

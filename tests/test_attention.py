@@ -696,7 +696,7 @@ _PT, _TRI = ("pallas", "triton"), ("triton", "triton")
         (128, False, "bias", _TRI, _TRI),
         (64, True, "dropout", _TRI, _TRI),
         (128, True, "dropout", _TRI, _TRI),
-        (128, False, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
+        (64, False, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
         (128, True, "window", ("cudnn", "cudnn"), ("cudnn", "cudnn")),
     ],
 )

@@ -695,9 +695,9 @@ def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
     assert _saved(tmp_path, "features_*.json")["rows"] == []
 
 
-def test_features_benchmark_adds_the_backward_blocks_asked_for(monkeypatch):
-    """``--blocks triton:bwd:...`` adds a Triton row on those blocks beside the heuristic's;
-    another platform's blocks add nothing to Triton."""
+def test_features_benchmark_adds_the_blocks_asked_for(monkeypatch):
+    """``--blocks triton:bwd:...`` (or ``:fwd:``) adds a Triton row on those blocks beside the
+    heuristic's; no other platform gains a row."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import features_gpu
@@ -713,7 +713,7 @@ def test_features_benchmark_adds_the_backward_blocks_asked_for(monkeypatch):
     assert not any(n.startswith("pallas/triton ") for n in names)
 
 
-def test_features_benchmark_names_a_malformed_backward_block(tmp_path):
+def test_features_benchmark_names_a_malformed_block():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--blocks", "triton:bwd:32x64"],
         capture_output=True, text=True, cwd=ROOT / "benchmarks",

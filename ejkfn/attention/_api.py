@@ -406,9 +406,10 @@ def _hopper_cfg(
 #   0.95x at 4x4096x16x128);
 # - a bias: Pallas-Triton causal (1.00x at both shapes; Triton 0.88-0.96x, cuDNN 0.94-0.96x),
 #   Triton otherwise (1.00x, forward 0.99-1.00x; Pallas-Triton 0.88-0.99x, cuDNN 0.82-0.95x).
-# - dropout: Triton at head dim 64 (Pallas-Triton 0.94x, forward 0.96x; -195217) and causal
-#   above it since its forward there stopped serializing wgmmas (0.97x, forward 1.00x; -195336);
-#   not measured without a mask above head dim 64, which keeps the default order.
+# - dropout, causal: Triton, since its blocks at head dim 64 stopped spilling and its forward at
+#   128 stopped serializing wgmmas (Pallas-Triton 0.94x, forward 0.96x at 8x2048x32x64, -195217;
+#   0.97x, forward 1.00x at 4x4096x16x128, -195336). Not measured without a mask, which keeps
+#   the default order.
 # Other features keep the default order: with a window cuDNN read 0.97-1.00x. The first feature
 # of the list above that a call has decides.
 _TRITON = ("triton", "triton")
@@ -427,7 +428,7 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
         return (_TRITON if wide else _PALLAS_TRITON), _PALLAS_TRITON
     if spec.has_bias:
         return (_PALLAS_TRITON, _PALLAS_TRITON) if spec.causal else (_TRITON, _TRITON)
-    if spec.dropout_prob > 0.0 and (spec.causal or not wide):
+    if spec.dropout_prob > 0.0 and spec.causal:
         return _TRITON, _TRITON
     return None
 
