@@ -119,16 +119,12 @@ def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
 def impls(
     case: Case, feature: str, blocks: tuple[str, ...] = ()
 ) -> dict[str, Callable[..., jax.Array]]:
-    """name -> ``(q, k, v) -> out`` with ``feature``'s arrays closed over: each native backend
-    that takes the feature on its heuristic config (XLA's left out), ``auto``, and for each
-    ``"platform:fwd|bwd:BQxBKxWxS[xvariant]"`` in ``blocks`` that platform's heuristic config
-    with that pass's blocks replaced."""
+    """name -> ``(q, k, v, **arrays) -> out``, ``arrays`` being ``feature``'s
+    (:func:`feature_arrays`): each native backend that takes the feature on its heuristic config
+    (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant]"`` in
+    ``blocks`` that platform's heuristic config with that pass's blocks replaced."""
     spec = case_spec(case, feature)
-    shape, static, arrays = (
-        call_shape(case, spec),
-        static_options(spec),
-        feature_arrays(case, feature),
-    )
+    shape, static = call_shape(case, spec), static_options(spec)
     kind = ejkfn.device_kind()
     out: dict[str, Callable[..., jax.Array]] = {}
     for backend in registered_backends():
@@ -154,11 +150,26 @@ def impls(
             cfg = AttentionConfig(
                 platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd
             )
-            out[name] = lambda q, k, v, cfg=cfg: ejkfn.flash_attention(
+            out[name] = lambda q, k, v, cfg=cfg, **arrays: ejkfn.flash_attention(
                 q, k, v, **arrays, **static, cfg=cfg
             )
-    out["auto"] = lambda q, k, v: ejkfn.flash_attention(q, k, v, **arrays, **static)
+    out["auto"] = lambda q, k, v, **arrays: ejkfn.flash_attention(q, k, v, **arrays, **static)
     return out
+
+
+def jitted(
+    fn: Callable[..., jax.Array], arrays: dict[str, Any], backward: bool
+) -> Callable[..., Any]:
+    """``fn`` (of :func:`impls`) with ``arrays`` as a program's arguments: ``(q, k, v) -> out``, or
+    with ``backward`` ``(q, k, v, do) -> (out, dq, dk, dv)``. Closed over, the arrays became
+    constants of the program: a 2 GiB bias (2x8192x16x128) then took about 60 s a compile."""
+
+    def run(q, k, v, *do, arrays):
+        call = lambda q, k, v: fn(q, k, v, **arrays)
+        return fwd_bwd(call)(q, k, v, *do) if backward else call(q, k, v)
+
+    program = jax.jit(run)
+    return lambda *sets: program(*sets, arrays=arrays)
 
 
 def auto_pick(case: Case, feature: str) -> str:
@@ -205,7 +216,7 @@ def check(
     errors = {}
     for name in fns:
         try:
-            got = jax.jit(fwd_bwd(small_fns[name]))(*sets)
+            got = jitted(small_fns[name], arrays, backward=True)(*sets)
             errors[name] = max(rel_err(g, w) for g, w in zip(got, expected, strict=True))
         except Exception as exc:  # report and go on: one backend failing must not end the run
             print(f"{case.name} {feature} {name}: {type(exc).__name__}: {str(exc)[:300]}")
@@ -223,17 +234,17 @@ def measure(
     blocks: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """The rows of one case and feature: every implementation checked, those that pass timed."""
-    fns = impls(case, feature, blocks)
+    fns, arrays = impls(case, feature, blocks), feature_arrays(case, feature)
     errors = check(case, feature, fns, blocks)
     picked = auto_pick(case, feature)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []
     for backward in [p == "bwd" for p in passes]:
         label = "fwd+bwd" if backward else "fwd"
-        jitted = {n: jax.jit(fwd_bwd(fns[n]) if backward else fns[n]) for n in passing}
-        baseline = "auto" if "auto" in jitted else next(iter(jitted), None)
+        programs = {n: jitted(fns[n], arrays, backward) for n in passing}
+        baseline = "auto" if "auto" in programs else next(iter(programs), None)
         done = (
-            check_then_time(case, backward, jitted, baseline, sets, calls, rounds)
+            check_then_time(case, backward, programs, baseline, sets, calls, rounds)
             if baseline
             else []
         )

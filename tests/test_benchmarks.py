@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -684,7 +685,8 @@ def test_features_differ_from_the_plain_call():
     q, k, v, _ = inputs(case, 3)
     plain = features_gpu.impls(case, "none")["auto"](q, k, v)
     for feature in features_gpu.FEATURES[1:]:
-        got = features_gpu.impls(case, feature)["auto"](q, k, v)
+        arrays = features_gpu.feature_arrays(case, feature)
+        got = features_gpu.jitted(features_gpu.impls(case, feature)["auto"], arrays, False)(q, k, v)
         assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - plain))) > 1e-3, feature
 
 
@@ -720,3 +722,28 @@ def test_features_benchmark_names_a_malformed_block():
     )  # fmt: skip
     assert proc.returncode == 2
     assert "'triton:bwd:32x64' is not PLATFORM:fwd|bwd:BQxBKxWxS" in proc.stderr
+
+
+def test_features_benchmark_passes_a_features_arrays_as_arguments():
+    """A bias closed over became a constant of the program (a 2 GiB one took a minute a compile);
+    :func:`features_gpu.jitted` passes the arrays in, so lowering captures no constant of note."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import features_gpu
+        from attention import Case, inputs
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    case = Case(1, 256, 2, 2, 64, False)
+    q, k, v, do = inputs(case, 3)
+    arrays = features_gpu.feature_arrays(case, "bias")  # 256 KiB
+    fn = features_gpu.impls(case, "bias")["auto"]
+    before = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 64 * 1024)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            features_gpu.jitted(fn, arrays, backward=True)(q, k, v, do)
+            with pytest.raises(UserWarning, match="constants were captured"):  # it can fail
+                jax.jit(lambda q, k, v: fn(q, k, v, **arrays))(q, k, v)
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", before)
