@@ -3,9 +3,11 @@ interpreter), so a change to the library or to a shared helper cannot leave them
 next run on the lent GPU."""
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
+import types
 import warnings
 
 import jax
@@ -26,6 +28,15 @@ def _run(script: str, *args: str, returncode: int = 0) -> str:
     )
     assert done.returncode == returncode, done.stdout[-2000:] + done.stderr[-2000:]
     return done.stdout
+
+
+def _benchmark_modules(*names: str) -> list[types.ModuleType]:
+    """The modules ``names`` of ``benchmarks/`` (scripts, not a package), imported."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def _saved(folder, pattern: str) -> dict:
@@ -675,12 +686,8 @@ def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
 def test_features_differ_from_the_plain_call():
     """Each feature's arrays and spec change what attention computes (else the benchmark would
     time the plain call under another name)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import features_gpu
-        from attention import Case, inputs
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    Case, inputs = attention.Case, attention.inputs
     case = Case(1, 256, 2, 2, 64, True)
     q, k, v, _ = inputs(case, 3)
     plain = features_gpu.impls(case, "none")["auto"](q, k, v)
@@ -700,12 +707,8 @@ def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
 def test_features_benchmark_adds_the_blocks_asked_for(monkeypatch):
     """``--blocks triton:bwd:...`` (or ``:fwd:``) adds a Triton row on those blocks beside the
     heuristic's; no other platform gains a row."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import features_gpu
-        from attention import Case
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    Case = attention.Case
     monkeypatch.setattr(features_gpu.ejkfn, "device_kind", lambda: "gpu")
     blocks = ("triton:bwd:32x64x4x3", "triton:fwd:64x32x4x3")
     names = features_gpu.impls(Case(1, 256, 2, 2, 64, True), "segments", blocks)
@@ -727,12 +730,8 @@ def test_features_benchmark_names_a_malformed_block():
 def test_features_benchmark_passes_a_features_arrays_as_arguments():
     """A bias closed over became a constant of the program (a 2 GiB one took a minute a compile);
     :func:`features_gpu.jitted` passes the arrays in, so lowering captures no constant of note."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import features_gpu
-        from attention import Case, inputs
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    Case, inputs = attention.Case, attention.inputs
     case = Case(1, 256, 2, 2, 64, False)
     q, k, v, do = inputs(case, 3)
     arrays = features_gpu.feature_arrays(case, "bias")  # 256 KiB
