@@ -191,14 +191,9 @@ def auto_pick(case: Case, feature: str) -> str:
     return name
 
 
-def check(
-    case: Case,
-    feature: str,
-    fns: dict[str, Callable[..., jax.Array]],
-    blocks: tuple[str, ...] = (),
-) -> dict[str, float]:
+def check(case: Case, feature: str, blocks: tuple[str, ...] = ()) -> dict[str, float]:
     """name -> largest relative error of output and q, k, v gradients against the float32
-    reference, at batch 1 and at most ``CHECK_SEQ`` positions."""
+    reference of each of :func:`impls`, at batch 1 and at most ``CHECK_SEQ`` positions."""
     small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
     spec = case_spec(small, feature)
     arrays = feature_arrays(small, feature)
@@ -212,11 +207,10 @@ def check(
 
     sets = inputs(small, 7)
     expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
-    small_fns = impls(small, feature, blocks)
     errors = {}
-    for name in fns:
+    for name, fn in impls(small, feature, blocks).items():
         try:
-            got = jitted(small_fns[name], arrays, backward=True)(*sets)
+            got = jitted(fn, arrays, backward=True)(*sets)
             errors[name] = max(rel_err(g, w) for g, w in zip(got, expected, strict=True))
         except Exception as exc:  # report and go on: one backend failing must not end the run
             print(f"{case.name} {feature} {name}: {type(exc).__name__}: {str(exc)[:300]}")
@@ -235,7 +229,7 @@ def measure(
 ) -> list[dict[str, Any]]:
     """The rows of one case and feature: every implementation checked, those that pass timed."""
     fns, arrays = impls(case, feature, blocks), feature_arrays(case, feature)
-    errors = check(case, feature, fns, blocks)
+    errors = check(case, feature, blocks)
     picked = auto_pick(case, feature)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []

@@ -30,8 +30,8 @@ __all__ = ["AttentionConfig", "FlashAttention", "flash_attention", "registered_b
 # measurements in benchmarks/results (bf16, forward+backward): cuDNN led at every shape, then Pallas
 # (Mosaic on Hopper), then Triton; calls cuDNN refuses (soft cap, dropout, segments, float32, ...)
 # fall through to our kernels, and the tuner measures them all when asked. On Hopper a call with a
-# soft cap, segment ids, a mask or a bias takes the portable kernel measured fastest with it
-# (``_feature_backends``).
+# soft cap, segment ids, a mask, a bias or (causal) dropout takes the portable kernel measured
+# fastest with it (``_feature_backends``).
 _AUTO_ORDER = {
     "gpu": ("cudnn", "pallas", "triton", "xla"),
     "tpu": ("pallas", "xla"),
@@ -535,8 +535,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     among the backends native to the device that can do the call (GPU: cuDNN, then Pallas with Mosaic
     GPU first on Hopper, then Triton, then XLA; on Hopper, where the pick is cuDNN, the Mosaic forward
     with the Mosaic backward for small calls and cuDNN's backward kernel for large ones, and with a
-    soft cap, segment ids, a mask or a bias the portable kernel measured fastest with it; CPU: XLA
-    dense for short sequences, chunked for long);
+    soft cap, segment ids, a mask, a bias or causal dropout the portable kernel measured fastest
+    with it; CPU: XLA dense for short sequences, chunked for long);
     with a platform, among that platform's variants (ones not native to the device run in their
     interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
     a config whose backend cannot do the call's features raises ``NotImplementedError`` at trace

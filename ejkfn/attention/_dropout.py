@@ -43,6 +43,12 @@ def threshold(p: float) -> int:
     return min(int(p * 65536.0), 65535) << 16
 
 
+def _row(b: jnp.ndarray, h: jnp.ndarray, i: jnp.ndarray, heads: int, seq_q: int) -> jnp.ndarray:
+    """The counter of score row ``(b, h, i)``, mod 2^32."""
+    u = jnp.uint32
+    return (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + i.astype(u)
+
+
 def keep_mask(
     seed: jnp.ndarray,
     b: jnp.ndarray,
@@ -55,9 +61,8 @@ def keep_mask(
 ) -> jnp.ndarray:
     """True where the weight at (b, h, i, j) is kept; the index arrays broadcast together."""
     u = jnp.uint32
-    row = (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + i.astype(u)
     j = j.astype(u)
-    bits = mix32((row * u(GOLDEN) + (j >> 1)) ^ mix32(seed))
+    bits = mix32((_row(b, h, i, heads, seq_q) * u(GOLDEN) + (j >> 1)) ^ mix32(seed))
     # Even columns move their low 16 bits to the top; odd ones keep theirs there (below them,
     # bits the threshold's zero low half cannot tip).
     return bits << ((u(1) - (j & 1)) * u(16)) >= u(threshold(p))
@@ -78,7 +83,7 @@ def keep_tile(
     pair of columns. The halves are interleaved by a stack on a last axis of two and a reshape,
     which Triton lowers to a join that moves no data (module doc)."""
     u = jnp.uint32
-    row = (b.astype(u) * u(heads) + h.astype(u)) * u(seq_q) + rows.astype(u)
+    row = _row(b, h, rows, heads, seq_q)
     pairs = (col0 // 2).astype(u) + jnp.arange(block_k // 2, dtype=u)
     bits = mix32((row[:, None] * u(GOLDEN) + pairs[None, :]) ^ mix32(seed))
     halves = jnp.stack([bits << u(16), bits], axis=-1).reshape(rows.shape[0], block_k)

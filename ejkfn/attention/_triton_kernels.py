@@ -46,10 +46,17 @@ def _mix32(x):
 
 @triton.jit
 @no_type_check
+def _row(b, h, rows, HEADS: tl.constexpr, SEQ_Q: tl.constexpr):
+    """The counters of score rows ``(b, h, rows)`` (``_dropout``)."""
+    return (b.to(tl.uint32) * HEADS + h.to(tl.uint32)) * SEQ_Q + rows.to(tl.uint32)
+
+
+@triton.jit
+@no_type_check
 def _keep(key, b, h, rows, cols, HEADS: tl.constexpr, SEQ_Q: tl.constexpr, THRESH: tl.constexpr):
     """Dropout keep decision for the broadcast index tiles ``rows``/``cols`` (see ``_dropout``),
     one hash a score; ``key`` is the seed mixed once (:func:`_seed_key`)."""
-    row = (b.to(tl.uint32) * HEADS + h.to(tl.uint32)) * SEQ_Q + rows.to(tl.uint32)
+    row = _row(b, h, rows, HEADS, SEQ_Q)
     cols = cols.to(tl.uint32)
     bits = _mix32((row * _GOLDEN + (cols >> 1)) ^ key)
     return bits << ((1 - (cols & 1)) * 16) >= THRESH
@@ -64,7 +71,7 @@ def _keep_tile(
     """``_keep`` of the ``[rows, col0 + arange(BLOCK_K)]`` tile (``col0`` even), one hash a pair
     of columns: interleaved, the halves land where a wgmma accumulator holds neighbouring columns,
     so this costs no data movement (the loops' SASS: 0.6x ``_keep``'s dropout instructions)."""
-    row = (b.to(tl.uint32) * HEADS + h.to(tl.uint32)) * SEQ_Q + rows.to(tl.uint32)
+    row = _row(b, h, rows, HEADS, SEQ_Q)
     pairs = (col0 // 2 + tl.arange(0, BLOCK_K // 2)).to(tl.uint32)
     bits = _mix32((row[:, None] * _GOLDEN + pairs[None, :]) ^ key)
     return tl.interleave(bits << 16, bits) >= THRESH
