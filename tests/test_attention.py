@@ -673,13 +673,17 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    window = heuristic(small, sliding_window=64)  # Mosaic takes no window; cuDNN leads there
-    assert (window.platform, window.inference) == ("cudnn", None)
+    window = heuristic(small, sliding_window=64)  # Mosaic takes no window (see the next test)
+    assert (window.platform, window.variant, window.inference.platform) == (
+        "pallas",
+        "triton",
+        "cudnn",
+    )
     elsewhere = heuristic(small, hopper=False)
     assert (elsewhere.platform, elsewhere.inference) == ("cudnn", None)
 
 
-_PT, _TRI = ("pallas", "triton"), ("triton", "triton")
+_PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn")
 
 
 @pytest.mark.parametrize(
@@ -687,17 +691,21 @@ _PT, _TRI = ("pallas", "triton"), ("triton", "triton")
     [
         (64, True, "soft_cap", _TRI, _TRI),
         (128, False, "soft_cap+mask", _TRI, _TRI),  # the soft cap decides
-        (64, True, "segments", _TRI, _PT),
-        (64, True, "segments+dropout", _TRI, _PT),  # the segments decide
+        (64, True, "segments", _PT, _PT),
+        (64, True, "segments+dropout", _PT, _PT),  # the segments decide
         (128, True, "segments", _TRI, _TRI),
         (64, False, "mask", _PT, _PT),
-        (128, True, "mask", _TRI, _PT),
+        (128, False, "mask", _TRI, _PT),
+        (128, True, "mask", _TRI, _TRI),
         (64, True, "bias", _PT, _PT),
+        (64, False, "bias", _PT, _TRI),
+        (128, True, "bias", _PT, _TRI),
         (128, False, "bias", _TRI, _TRI),
         (64, True, "dropout", _TRI, _TRI),
         (128, True, "dropout", _TRI, _TRI),
         (64, False, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
-        (128, True, "window", ("cudnn", "cudnn"), ("cudnn", "cudnn")),
+        (64, True, "window", _PT, _CUDNN),
+        (128, True, "window", _CUDNN, _CUDNN),  # the default order
     ],
 )
 def test_auto_on_hopper_orders_backends_by_feature(
@@ -746,6 +754,38 @@ def test_auto_on_hopper_orders_backends_by_feature(
     elsewhere = kernel.heuristic_cfg(inv)
     refused = {"dropout", "soft_cap", "segments"} & set(feature.split("+"))  # by cuDNN
     assert elsewhere.platform == ("pallas" if refused else "cudnn")
+
+
+def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A causal bias at head dim 128 trains on Pallas-Triton and infers on Triton; where Triton
+    refuses the call, Pallas-Triton infers too (the default order would have put cuDNN first)."""
+    from ejkfn.attention import _api
+
+    refusal = _api._refusal
+    triton_refuses = [False]
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas", "triton"))
+
+    def on_cuda(backend, shape, args, kwargs, params):
+        if backend.platform == "triton":
+            return "refused for the test" if triton_refuses[0] else None
+        return (
+            None if backend.platform == "cudnn" else refusal(backend, shape, args, kwargs, params)
+        )
+
+    monkeypatch.setattr(_api, "_refusal", on_cuda)
+    x = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)
+    kernel = FlashAttention()
+    inv = ejkfn.Invocation.of(kernel, x, x, x, bias, causal=True)
+    cfg = kernel.heuristic_cfg(inv)
+    assert (cfg.platform, cfg.variant, cfg.inference.platform) == ("pallas", "triton", "triton")
+    triton_refuses[0] = True
+    cfg = kernel.heuristic_cfg(inv)
+    assert (cfg.platform, cfg.variant, cfg.inference) == ("pallas", "triton", None)
 
 
 def test_explicit_platform_heuristics(key: jax.Array) -> None:

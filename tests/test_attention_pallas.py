@@ -379,6 +379,34 @@ def test_triton_configs_fit():
         _pallas_gpu.fwd(x, x, x, spec=spec, params=FwdParams(q_blocksize=48))
 
 
+@pytest.mark.parametrize(
+    ("options", "wide"),
+    [
+        ({}, True),
+        (dict(has_mask=True), True),  # without causal 0.98x the 64 x 64 blocks
+        (dict(has_mask=True, causal=True), False),
+        (dict(has_segments=True), True),  # not measured without causal
+        (dict(has_segments=True, causal=True), False),
+        (dict(dropout_prob=0.1, causal=True), False),
+        (dict(has_bias=True), False),
+        (dict(soft_cap=30.0, causal=True), False),
+        (dict(window=(256, 256)), False),
+    ],
+)
+def test_head_dim_64_backward_blocks_with_a_feature(options, wide):
+    """At head dim 64 the backward keeps mirrored_wide blocks, but takes 64 x 64 on 4 warps with
+    the features that ran faster on them (a bias, a soft cap, a window; when causal also a mask,
+    segment ids or dropout)."""
+    spec = AttentionSpec(scale=0.125, **options)
+    shape = AttentionShape(
+        batch=8, seq_q=2048, seq_k=2048, heads=32, kv_heads=8, head_dim=64, dtype="bfloat16",
+        spec=spec,
+    )  # fmt: skip
+    bp = _pallas_gpu.heuristic(shape)[1]
+    got = (bp.q_blocksize, bp.kv_blocksize, bp.num_warps, bp.num_stages, bp.variant)
+    assert got == ((32, 128, 4, 3, MIRRORED_WIDE) if wide else (64, 64, 4, 3, None))
+
+
 # ----------------------------------------------------------------------------------------------------
 # Mosaic TPU, run in the interpreter (kv blocks are lane-sized: 128).
 

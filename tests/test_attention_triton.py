@@ -291,12 +291,20 @@ def test_compiled_kernels_keep_their_wgmmas_in_flight():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("feature", ["segments", "dropout"])
-def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature):
-    """The heuristic's causal blocks with segment ids or dropout, compiled for sm_90a: at head dim
-    64 the dK/dV kernel on 32 x 128 blocks spilled 272 and 164 bytes, and at 128 the forward on
-    64 x 64 blocks had its wgmmas serialized with dropout (C7515). The segments' dK/dV kernel at
-    head dim 128 spills 4 bytes (its loop state), which the bound allows."""
+@pytest.mark.parametrize(
+    ("feature", "every_kernel"),
+    [("segments", True), ("dropout", True), ("window", True), ("soft_cap", False),
+     ("bias", False), ("mask", False)],
+)  # fmt: skip
+def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, every_kernel):
+    """The heuristic's causal blocks with a feature, compiled for sm_90a. At head dim 64 the dK/dV
+    kernel on 32 x 128 blocks spilled (segment ids 272 bytes, dropout 164, a soft cap 132, a bias
+    332), and at 128 the forward on 64 x 64 blocks had its wgmmas serialized with dropout or a bias
+    (C7515): with every feature the forward kernels neither spill nor serialize, and the dK/dV
+    kernel at head dim 64 does not spill. With a soft cap, a bias or a mask the other kernels keep
+    known faults (C7515 in dQ with a bias, C7513 in dK/dV, 12-28 byte spills at head dim 128;
+    benchmarks/NOTES.md). The segments' dK/dV kernel at head dim 128 spills 4 bytes
+    (its loop state), which the bound allows."""
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,7 +319,48 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature):
         rows = json.loads(report.read_text())
     assert len(rows) == 6
     for row in rows:
-        assert row["warnings"] == [] and row["spill_bytes"] <= 8, row
+        narrow_dkdv = row["kernel"] == "dkdv" and "x64 " in row["case"]
+        if every_kernel or row["kernel"] == "fwd":
+            assert row["warnings"] == [] and row["spill_bytes"] <= 8, row
+        elif narrow_dkdv:  # a bias serializes its wgmmas on any blocks (C7513)
+            assert row["spill_bytes"] <= 8, row
+
+
+_FEATURES = {
+    "soft_cap": dict(soft_cap=30.0),
+    "segments": dict(has_segments=True),
+    "dropout": dict(dropout_prob=0.1),
+    "bias": dict(has_bias=True),
+    "mask": dict(has_mask=True),
+    "window": dict(window=(256, 0)),
+}
+
+
+@pytest.mark.parametrize("feature", ["none", *_FEATURES])
+def test_heuristic_blocks_with_a_feature(feature):
+    """Causal, the dK/dV blocks at head dim 64 leave mirrored_wide for 64 x 64 with any feature (it
+    spills), and the forward at 128 takes 128 x 64 on 8 warps with the features that serialize its
+    wgmmas (dropout, a bias) or slow it (a mask); not causal, both keep their blocks."""
+    options = _FEATURES.get(feature, {})
+
+    def blocks(dim, causal):
+        spec = AttentionSpec(scale=0.1, causal=causal, **options)
+        shape = AttentionShape(
+            batch=8, seq_q=2048, seq_k=2048, heads=32, kv_heads=8, head_dim=dim, dtype="bfloat16",
+            spec=spec,
+        )  # fmt: skip
+        return tri.heuristic(shape)
+
+    bwd_64 = blocks(64, True)[1]
+    got = (bwd_64.q_blocksize, bwd_64.kv_blocksize, bwd_64.num_warps, bwd_64.variant)
+    assert got == ((32, 128, 4, MIRRORED_WIDE) if feature == "none" else (64, 64, 4, None))
+    assert blocks(64, False)[1] == BwdParams(
+        q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3
+    )
+    fwd_128 = blocks(128, True)[0]
+    wide = feature in ("dropout", "bias", "mask")
+    assert (fwd_128.q_blocksize, fwd_128.num_warps) == ((128, 8) if wide else (64, 4))
+    assert blocks(128, False)[0].q_blocksize == 64
 
 
 def test_heuristic_params_under_vmap():

@@ -393,27 +393,31 @@ def _hopper_cfg(
 
 
 # Calls with a feature that the Mosaic kernels refuse, on Hopper: the backends that train and infer
-# fastest, measured by benchmarks/features_gpu.py on an H200 (bf16; 8x2048x32x64 and 4x4096x16x128,
-# causal and not; results/features_NVIDIA_H200_20261128-*.json, benchmarks/NOTES.md, forty-eighth
-# round). With a bias or a mask cuDNN read 0.82-0.99x the fastest, one of the portable kernels
-# 1.00x at every reading, which one depending on the feature:
-# - a soft cap: Triton (Pallas-Triton 0.82-0.98x, six readings);
-# - segment ids: Triton to train (above head dim 64 Pallas-Triton 0.84-0.87x; at 64, since
-#   Triton's dK/dV blocks there stopped spilling, 0.88x, features_NVIDIA_H200_20261128-194741);
-#   to infer, Triton above head dim 64, Pallas-Triton at 64 (Triton's forward 0.93x);
-# - a mask: to train, Triton above head dim 64 (1.00x at both shapes, Pallas-Triton 0.81-0.97x),
-#   Pallas-Triton at 64 (0.99-1.00x); to infer, Pallas-Triton (0.99-1.00x; Triton 0.85x and cuDNN
-#   0.95x at 4x4096x16x128);
-# - a bias: Pallas-Triton causal (1.00x at both shapes; Triton 0.88-0.96x, cuDNN 0.94-0.96x),
-#   Triton otherwise (1.00x, forward 0.99-1.00x; Pallas-Triton 0.88-0.99x, cuDNN 0.82-0.95x).
-# - dropout, causal: Triton, since its blocks at head dim 64 stopped spilling and its forward at
-#   128 stopped serializing wgmmas (Pallas-Triton 0.94x, forward 0.96x at 8x2048x32x64, -195217;
-#   0.97x, forward 1.00x at 4x4096x16x128, -195336). Not measured without a mask, which keeps
-#   the default order.
-# Other features keep the default order: with a window cuDNN read 0.97-1.00x. The first feature
-# of the list above that a call has decides.
+# fastest, measured by benchmarks/features_gpu.py on an H200 (bf16, causal unless said; D is the
+# head dim; results/features_NVIDIA_H200_20261128-*.json and 20261129-*.json, benchmarks/NOTES.md,
+# forty-eighth and fiftieth rounds). Each ratio is to the fastest of the reading:
+# - a soft cap: Triton (Pallas-Triton 0.92-0.93x at D = 64 on both kernels' feature blocks,
+#   0.82-0.98x before them; forward 0.91x at 4x4096x16x128);
+# - segment ids: Triton above D = 64 (Pallas-Triton 0.84-0.87x to train); Pallas-Triton at 64,
+#   on its 64 x 64 backward (Triton 0.97-0.98x to train, forward 0.93x);
+# - a mask: to train, Triton above D = 64 (Pallas-Triton 0.83-0.91x, cuDNN 0.83-0.84x at 4x4096
+#   and 2x8192 x16x128), Pallas-Triton at 64 (0.99-1.00x; Triton 0.90-0.98x, cuDNN 0.90-0.98x);
+#   to infer, Triton above D = 64 causal (Pallas-Triton 0.98x, cuDNN 0.95-0.99x), Pallas-Triton
+#   otherwise (0.99-1.00x; Triton 0.85x without a mask);
+# - a bias: to train, Pallas-Triton causal or at D = 64 (Triton 0.82-0.96x, cuDNN 0.67-0.97x),
+#   Triton otherwise (Pallas-Triton 0.88-0.99x); to infer, Pallas-Triton at D = 64 causal, Triton
+#   otherwise (above 64 causal, on its 128 x 64 forward: Pallas-Triton 0.71-0.74x, cuDNN
+#   0.81-0.84x; without a mask 0.99-1.00x);
+# - dropout, causal: Triton (Pallas-Triton 0.94-0.97x, forward 0.96-1.00x). Not measured
+#   without a mask, which keeps the default order;
+# - a window at D = 64: Pallas-Triton to train (its 64 x 64 backward; 0.97-1.00x, cuDNN 0.82-0.90x
+#   at 8x2048x32 with and without GQA, 1.00x at 2x8192x32), cuDNN to infer where it can. Above
+#   D = 64 the default order (cuDNN 0.97-1.00x).
+# The first feature of the list above that a call has decides; where the inference backend refuses
+# the call, the training one infers too.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
+_CUDNN = ("cudnn", "cudnn")
 
 
 def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str, str]] | None:
@@ -423,13 +427,18 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
     if spec.soft_cap is not None:
         return _TRITON, _TRITON
     if spec.has_segments:
-        return _TRITON, (_TRITON if wide else _PALLAS_TRITON)
+        return (_TRITON, _TRITON) if wide else (_PALLAS_TRITON, _PALLAS_TRITON)
     if spec.has_mask:
-        return (_TRITON if wide else _PALLAS_TRITON), _PALLAS_TRITON
+        return (_TRITON if wide else _PALLAS_TRITON), (
+            _TRITON if wide and spec.causal else _PALLAS_TRITON
+        )
     if spec.has_bias:
-        return (_PALLAS_TRITON, _PALLAS_TRITON) if spec.causal else (_TRITON, _TRITON)
+        training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
+        return training, (_PALLAS_TRITON if spec.causal and not wide else _TRITON)
     if spec.dropout_prob > 0.0 and spec.causal:
         return _TRITON, _TRITON
+    if spec.window is not None and not wide:
+        return _PALLAS_TRITON, _CUDNN
     return None
 
 
@@ -446,10 +455,15 @@ def _feature_cfg(
         backend = backend_for(platform, variant)
         params = backend.heuristic(shape)
         if not _native(backend) or _refusal(backend, shape, args, kwargs, params) is not None:
-            return None
-        cfgs.append(_config(backend, params))
+            cfgs.append(None)
+        else:
+            cfgs.append(_config(backend, params))
     training, inference = cfgs
-    return training if inference == training else dataclasses.replace(training, inference=inference)
+    if training is None:
+        return None
+    if inference is None or inference == training:  # a forward the training backend can do
+        return training
+    return dataclasses.replace(training, inference=inference)
 
 
 def _native(backend: AttentionBackend) -> bool:

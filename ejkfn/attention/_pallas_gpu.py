@@ -931,6 +931,17 @@ def _fits(shape: AttentionShape, fp: FwdParams, bp: BwdParams) -> bool:
     return _fits_pass(shape, fp, backward=False) and _fits_pass(shape, bp, backward=True)
 
 
+# Features with which, at head dim 64, the 64 x 64 backward on 4 warps and 3 stages ran
+# forward+backward faster than the mirrored_wide blocks, at 8x2048x32x64 (GQA too), causal: a
+# bias 1.28-1.33x, a soft cap 1.06-1.19x, a window 1.10-1.21x (also 1.10x at 2x8192x32/8kvx64),
+# segment ids 1.17-1.20x, dropout 1.06-1.30x, a mask 1.03x; not causal: a bias 1.30x, a soft cap
+# 1.04x, a window 1.07x, but a mask 0.98x (segment ids and dropout not measured there)
+# (results/features_NVIDIA_H200_20261129-053037.json, -053743.json, -053823.json, -054357.json,
+# -054613.json, -055551.json). Without a feature they ran 0.98x.
+_SLOW_WIDE_FEATURES = frozenset({"bias", "logits_soft_cap", "sliding_window"})
+_SLOW_WIDE_CAUSAL_FEATURES = frozenset({"attention_mask", "segment_ids", "dropout"})
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Block sizes that work well on Hopper for the head dim, shrunk to short sequences and until
     they fit (float32 tiles are twice the 16-bit ones measured).
@@ -957,9 +968,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=4, num_stages=3)
-        bp = BwdParams(
-            q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_WIDE
-        )
+        features, causal = shape.spec.features, shape.spec.causal
+        if _SLOW_WIDE_FEATURES & features or (causal and _SLOW_WIDE_CAUSAL_FEATURES & features):
+            bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        else:
+            bp = BwdParams(
+                q_blocksize=32, kv_blocksize=128, num_warps=4, num_stages=3, variant=MIRRORED_WIDE
+            )
     elif d <= 128:
         warps = 8 if shape.spec.causal else 4
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=warps, num_stages=3)

@@ -404,11 +404,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
         # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
-        # With segment ids or dropout the causal blocks below spill (272 and 164 bytes in the
-        # dK/dV kernel); 64 x 64 on 4 warps spills nothing and ran forward+backward 1.85x and
-        # 1.09x them at 8x2048x32x64 causal (results/features_NVIDIA_H200_20261128-194741.json).
-        spills = {"segment_ids", "dropout"} & shape.spec.features
-        if shape.spec.causal and not spills:
+        # With any feature the causal blocks below spill in the dK/dV kernel (segment ids 272
+        # bytes, dropout 164, a soft cap 132, a bias 332); 64 x 64 on 4 warps spills little or
+        # nothing and ran forward+backward 1.09-1.85x them at 8x2048x32x64 causal, with GQA too:
+        # segment ids 1.85x, dropout 1.09x, a soft cap 1.13-1.16x, a bias 1.10-1.11x, a mask
+        # 1.09-1.11x, a window 1.14x (results/features_NVIDIA_H200_20261128-194741.json,
+        # 20261129-053037.json, -053743.json).
+        if shape.spec.causal and shape.spec.features == {"causal"}:
             # dK/dV keeping 128 keys on 4 warps and streaming 32; dQ keeping 128 rows on 8 and
             # streaming 64. Forward+backward 1.008-1.044x dQ keeping 64 rows on 4 warps
             # (mirrored_half) at 8x2048x32x64 and 2x8192x32x64 causal, alone about as fast but at
@@ -421,10 +423,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
     elif d <= 128:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        if shape.spec.causal and "dropout" in shape.spec.features:
-            # ptxas serializes every wgmma of 64 x 64 blocks on 4 warps with dropout here (C7515);
-            # 128 x 64 on 8 warps does not, and ran 1.18x it forward and 1.04x forward+backward at
-            # 4x4096x16x128 causal (results/features_NVIDIA_H200_20261128-195336.json).
+        if shape.spec.causal and {"dropout", "bias", "attention_mask"} & shape.spec.features:
+            # ptxas serializes every wgmma of 64 x 64 blocks on 4 warps with dropout or a bias
+            # here (C7515). 128 x 64 on 8 warps does not, and ran forward 1.18x (dropout), 1.56x
+            # (bias) and 1.22x (mask) them, forward+backward 1.04x, 1.11x and 1.06x, at
+            # 4x4096x16x128 causal (results/features_NVIDIA_H200_20261128-195336.json,
+            # 20261129-052834.json); with a soft cap, segment ids or a window, 0.93-0.95x.
             fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         bp = BwdParams(
             q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
