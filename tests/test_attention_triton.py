@@ -303,8 +303,8 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, ev
     (C7515): with every feature the forward kernels neither spill nor serialize, and the dK/dV
     kernel at head dim 64 does not spill. With a soft cap, a bias or a mask the other kernels keep
     known faults (C7515 in dQ with a bias, C7513 in dK/dV, 12-28 byte spills at head dim 128;
-    benchmarks/NOTES.md). The segments' dK/dV kernel at head dim 128 spills 4 bytes
-    (its loop state), which the bound allows."""
+    benchmarks/NOTES.md). The segments' dK/dV kernel at head dim 128 spills 4 bytes (its loop
+    state), which the bound allows."""
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -338,8 +338,8 @@ _FEATURES = {
 
 @pytest.mark.parametrize("feature", ["none", *_FEATURES])
 def test_heuristic_blocks_with_a_feature(feature):
-    """Causal, the dK/dV blocks at head dim 64 leave mirrored_wide for 64 x 64 with any feature (it
-    spills), and the forward at 128 takes 128 x 64 on 8 warps with the features that serialize its
+    """Causal, the dK/dV blocks at head dim 64 leave mirrored_wide for 64 x 64 with any feature
+    (they spill with one), and the forward at 128 takes 128 x 64 on 8 warps with the features that serialize its
     wgmmas (dropout, a bias) or slow it (a mask); not causal, both keep their blocks."""
     options = _FEATURES.get(feature, {})
 

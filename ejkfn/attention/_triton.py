@@ -404,12 +404,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # 128 x 64 on 8 warps ran 1.02-1.07x 64 x 64 on 4 at 8x2048x32x64 and 2x8192x32x64, causal
         # and not (portable_sweep_NVIDIA_H200_20261123-054724.json, -054814.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
-        # With any feature the causal blocks below spill in the dK/dV kernel (segment ids 272
-        # bytes, dropout 164, a soft cap 132, a bias 332); 64 x 64 on 4 warps spills little or
-        # nothing and ran forward+backward 1.09-1.85x them at 8x2048x32x64 causal, with GQA too:
-        # segment ids 1.85x, dropout 1.09x, a soft cap 1.13-1.16x, a bias 1.10-1.11x, a mask
-        # 1.09-1.11x, a window 1.14x (results/features_NVIDIA_H200_20261128-194741.json,
-        # 20261129-053037.json, -053743.json).
+        # With a feature the causal blocks below spill in the dK/dV kernel (segment ids 272 bytes,
+        # dropout 164, a soft cap 132, a bias 332; with GQA a mask 104, a window 72); 64 x 64 on
+        # 4 warps spills little or nothing and ran forward+backward 1.09-1.85x them at
+        # 8x2048x32x64 causal, with GQA too: segment ids 1.85x, dropout 1.09x, a soft cap
+        # 1.13-1.16x, a bias 1.10-1.11x, a mask 1.09-1.11x, a window 1.14x
+        # (results/features_NVIDIA_H200_20261128-194741.json, 20261129-053037.json, -053743.json).
         if shape.spec.causal and shape.spec.features == {"causal"}:
             # dK/dV keeping 128 keys on 4 warps and streaming 32; dQ keeping 128 rows on 8 and
             # streaming 64. Forward+backward 1.008-1.044x dQ keeping 64 rows on 4 warps
