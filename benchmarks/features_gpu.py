@@ -1,7 +1,8 @@
 """Attention calls with a feature on the GPU: each ejkfn platform that takes it, beside ``auto``.
 
 The features are a bias, a boolean mask, segment ids (packed sequences), dropout, a logits soft
-cap and a sliding window (:data:`FEATURES`). For each shape, mask and feature this
+cap and a sliding window (:data:`FEATURES`; ``windowN`` is a window ``N`` keys wide on either side
+instead of a quarter of the sequence). For each shape, mask and feature this
 
 1. checks the forward and the gradients of q, k and v of every ejkfn backend that takes the feature
    (its heuristic config) and of ``platform="auto"`` against the float32 reference with the same
@@ -54,10 +55,25 @@ CHECK_SEQ = 1024  # the float32 reference holds the scores of the check
 MAX_ERROR = 2e-2
 
 
+def window_keys(feature: str, seq: int) -> int | None:
+    """The keys on either side of ``feature``'s window: a quarter of ``seq`` for ``"window"``,
+    ``N`` for ``"windowN"``; None for any other feature."""
+    if feature == "window":
+        return seq // 4
+    if feature.startswith("window") and feature[len("window") :].isdigit():
+        return int(feature[len("window") :])
+    return None
+
+
+def check_feature(feature: str) -> None:
+    if feature not in FEATURES and window_keys(feature, 0) is None:
+        raise ValueError(f"feature {feature!r} is not one of {FEATURES} or windowN (N keys)")
+
+
 def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
-    """``spec`` with ``feature`` on (a window a quarter of ``seq`` keys wide on either side)."""
-    if feature not in FEATURES:
-        raise ValueError(f"feature {feature!r} is not one of {FEATURES}")
+    """``spec`` with ``feature`` on (:func:`window_keys` for a window)."""
+    check_feature(feature)
+    keys = window_keys(feature, seq)
     return dataclasses.replace(
         spec,
         has_bias=feature == "bias",
@@ -65,7 +81,7 @@ def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
         has_segments=feature == "segments",
         dropout_prob=DROPOUT if feature == "dropout" else 0.0,
         soft_cap=SOFT_CAP if feature == "soft_cap" else None,
-        window=(seq // 4, seq // 4) if feature == "window" else None,
+        window=None if keys is None else (keys, keys),
     )
 
 
@@ -290,8 +306,11 @@ def main() -> int:
     )
     args = parser.parse_args()
     features = args.features.split(",")
-    if unknown := sorted(set(features) - set(FEATURES)):
-        parser.error(f"--features: {unknown} not among {FEATURES}")
+    for feature in features:
+        try:
+            check_feature(feature)
+        except ValueError as exc:
+            parser.error(f"--features: {exc}")
     passes = args.passes.split(",")
     if unknown := sorted(set(passes) - {"fwd", "bwd"}):
         parser.error(f"--passes: {unknown} not among ['fwd', 'bwd']")

@@ -705,6 +705,7 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (128, True, "dropout", _TRI, _TRI),
         (64, False, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
         (64, True, "window", _PT, _CUDNN),
+        (64, True, "wide_window", _CUDNN, _CUDNN),  # the default order
         (128, True, "window", _CUDNN, _CUDNN),  # the default order
     ],
 )
@@ -741,6 +742,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "bias": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)),
         "dropout": dict(dropout_prob=0.1, dropout_seed=jax.ShapeDtypeStruct((), jnp.uint32)),
         "window": dict(sliding_window=64),
+        "wide_window": dict(sliding_window=(2048, 0)),
     }
     options = {k: v for name in feature.split("+") for k, v in arrays[name].items()}
     kernel = FlashAttention()

@@ -727,6 +727,24 @@ def test_features_benchmark_names_a_malformed_block():
     assert "'triton:bwd:32x64' is not PLATFORM:fwd|bwd:BQxBKxWxS" in proc.stderr
 
 
+def test_features_benchmark_takes_a_window_width_and_names_an_unknown_feature():
+    """``windowN`` is a window N keys wide on either side (``window``: a quarter of the sequence);
+    a feature it does not know is an error naming it."""
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    case = attention.Case(1, 2048, 2, 2, 64, True)
+    assert features_gpu.case_spec(case, "window").window == (512, 512)
+    assert features_gpu.case_spec(case, "window100").window == (100, 100)
+    assert features_gpu.case_spec(case, "none").window is None
+    for bad in ("window-3", "windows", "bias2"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            features_gpu.case_spec(case, bad)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--features", "mask,windowx"],
+        capture_output=True, text=True, cwd=ROOT / "benchmarks",
+    )  # fmt: skip
+    assert proc.returncode == 2 and "'windowx' is not one of" in proc.stderr
+
+
 def test_features_benchmark_passes_a_features_arrays_as_arguments():
     """A bias closed over became a constant of the program (a 2 GiB one took a minute a compile);
     :func:`features_gpu.jitted` passes the arrays in, so lowering captures no constant of note."""

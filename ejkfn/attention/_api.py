@@ -410,14 +410,17 @@ def _hopper_cfg(
 #   0.81-0.84x; without a mask 0.99-1.00x);
 # - dropout, causal: Triton (Pallas-Triton 0.94-0.97x, forward 0.96-1.00x). Not measured
 #   without a mask, which keeps the default order;
-# - a window at D = 64: Pallas-Triton to train (its 64 x 64 backward; 0.97-1.00x, cuDNN 0.82-0.90x
-#   at 8x2048x32 with and without GQA, 1.00x at 2x8192x32), cuDNN to infer where it can. Above
-#   D = 64 the default order (cuDNN 0.97-1.00x).
+# - a window at D = 64 that spans at most _NARROW_WINDOW keys besides the diagonal: Pallas-Triton
+#   to train (its 64 x 64 backward; cuDNN 0.82-0.92x 512 keys wide at 8x2048x32, with and without
+#   GQA, and 2x8192x32, 0.98x 1024 wide there), cuDNN to infer where it can. 2048 keys wide cuDNN
+#   trained faster (Pallas-Triton 0.97-0.98x at 2x8192x32, with and without GQA), and above D = 64
+#   (cuDNN 0.97-1.00x): the default order.
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
+_NARROW_WINDOW = 1024
 
 
 def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str, str]] | None:
@@ -438,7 +441,9 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
     if spec.dropout_prob > 0.0 and spec.causal:
         return _TRITON, _TRITON
     if spec.window is not None and not wide:
-        return _PALLAS_TRITON, _CUDNN
+        left, right = spec.window
+        if left + (0 if spec.causal else right) <= _NARROW_WINDOW:
+            return _PALLAS_TRITON, _CUDNN
     return None
 
 
