@@ -554,8 +554,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     among the backends native to the device that can do the call (GPU: cuDNN, then Pallas with Mosaic
     GPU first on Hopper, then Triton, then XLA; on Hopper, where the pick is cuDNN, the Mosaic forward
     with the Mosaic backward for small calls and cuDNN's backward kernel for large ones, and with a
-    soft cap, segment ids, a mask, a bias or causal dropout the portable kernel measured fastest
-    with it; CPU: XLA dense for short sequences, chunked for long);
+    soft cap, segment ids, a mask, a bias, causal dropout or (at head dim 64) a window up to 1024
+    keys wide the backends measured fastest with it; CPU: XLA dense for short sequences, chunked
+    for long);
     with a platform, among that platform's variants (ones not native to the device run in their
     interpreter: that is how the CPU tests run them). ``cfg`` (static) is an :class:`AttentionConfig`;
     a config whose backend cannot do the call's features raises ``NotImplementedError`` at trace
