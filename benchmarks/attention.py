@@ -80,10 +80,18 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
 
 
 def parse_params(text: str, cls: type) -> Any:
-    """``"128x64x8x3[xmirrored]"`` as ``cls(q_blocksize, kv_blocksize, num_warps, num_stages,
-    variant)``: a block config on the command line (``FwdParams`` or ``BwdParams``)."""
-    bq, bk, warps, stages, *variant = text.split("x")
-    extra = dict(variant=variant[0]) if variant else {}
+    """``"128x64x8x3[xmirrored][xdq2]"`` as ``cls(q_blocksize, kv_blocksize, num_warps,
+    num_stages, variant, dq_num_stages)``: a block config on the command line (``FwdParams`` or
+    ``BwdParams``; ``dqN``, the dQ kernel's stages, is a backward's)."""
+    bq, bk, warps, stages, *rest = text.split("x")
+    extra: dict[str, Any] = {}
+    for item in rest:
+        if item.startswith("dq") and item[2:].isdigit():
+            extra["dq_num_stages"] = int(item[2:])
+        elif "variant" not in extra:
+            extra["variant"] = item
+        else:
+            raise ValueError(f"{text!r}: more than one variant ({extra['variant']!r}, {item!r})")
     return cls(
         q_blocksize=int(bq), kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages),
         **extra,

@@ -137,7 +137,7 @@ def impls(
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v, **arrays) -> out``, ``arrays`` being ``feature``'s
     (:func:`feature_arrays`): each native backend that takes the feature on its heuristic config
-    (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant]"`` in
+    (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant][xdqN]"`` in
     ``blocks`` that platform's heuristic config with that pass's blocks replaced."""
     spec = case_spec(case, feature)
     shape, static = call_shape(case, spec), static_options(spec)
@@ -299,7 +299,7 @@ def main() -> int:
     parser.add_argument(
         "--blocks",
         default="",
-        help="more blocks to time, comma-separated PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT]",
+        help="more blocks to time, comma-separated PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]",
     )
     parser.add_argument(
         "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
@@ -320,9 +320,9 @@ def main() -> int:
         if (
             len(parts) != 3
             or parts[1] not in ("fwd", "bwd")
-            or len(parts[2].split("x")) not in (4, 5)
+            or len(parts[2].split("x")) not in (4, 5, 6)
         ):
-            parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT]")
+            parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]")
     rows: list[dict[str, Any]] = []
     t0, stamp = time.time(), time.strftime("%Y%m%d-%H%M%S")
     for b, s, h, kvh, d in parse_shapes(args.shapes):

@@ -9,7 +9,7 @@ wgmma instructions (``HGMMA``) and waits on them (``WARPGROUP.DEPBAR``). As many
 ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round).
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
-        [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored]
+        [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored[xdq2]]
         [--feature segments] [--json FILE]
 
 ``--feature`` compiles calls that use one (``bias``, ``mask``, ``segments``, ``dropout``,

@@ -76,7 +76,9 @@ class BwdParams(_Validated):
 
     ``variant`` names the backward kernels where a backend has more than one (Pallas Mosaic on
     Hopper: ``"mosaic"`` for its own kernels; ``None``, the default that older configs keep, for the
-    Triton-lowering ones); backends with a single backward ignore it.
+    Triton-lowering ones); backends with a single backward ignore it. ``dq_num_stages`` is the
+    pipelining depth of the dQ kernel where a backend runs it apart from the dK/dV kernel (the
+    portable backwards); ``None`` takes ``num_stages``, and other backends ignore it.
     """
 
     q_blocksize: int = 64
@@ -84,11 +86,15 @@ class BwdParams(_Validated):
     num_warps: int = 4
     num_stages: int = 2
     variant: str | None = None
+    dq_num_stages: int | None = None
 
     def __post_init__(self) -> None:
         super(BwdParams, self).__post_init__()
         if self.variant is not None and not (isinstance(self.variant, str) and self.variant):
             raise ValueError(f"variant={self.variant!r} must be None or a non-empty str")
+        stages = self.dq_num_stages
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"dq_num_stages={stages!r} must be None or a positive int")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

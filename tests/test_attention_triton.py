@@ -8,6 +8,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -250,8 +251,29 @@ def test_mirrored_backward(feature, variant, kv_block, dq):
     kw = dict(FEATURES[feature])
     args, dout, spec = _case(f"mirrored-{feature}", **kw)
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
-    assert tri.dq_launch(bp) == dq
+    assert tri.dq_launch(bp) == (*dq, bp.num_stages)
     _check(args, dout, spec, bp=bp)
+
+
+def test_dq_kernel_takes_its_own_stages():
+    """``dq_num_stages`` sets the dQ kernel's pipelining apart from dK/dV's (ptxas serialized the
+    dQ kernel's wgmmas with a causal bias at head dim 128 on 3 stages, not on 2), the gradients
+    unchanged; the fit estimate counts the dQ tiles at that depth."""
+    bp = BwdParams(q_blocksize=16, kv_blocksize=32, num_stages=3, variant=MIRRORED, dq_num_stages=1)
+    assert tri.dq_launch(bp) == (32, 16, 4, 1)
+    assert tri.dq_launch(dataclasses.replace(bp, dq_num_stages=None)).num_stages == 3
+    args, dout, spec = _case("dq-stages", **FEATURES["everything"])
+    _check(args, dout, spec, bp=bp)
+    spec = AttentionSpec(scale=0.1, causal=True, has_bias=True)
+    shape = AttentionShape(
+        batch=1, seq_q=4096, seq_k=4096, heads=1, kv_heads=1, head_dim=128, dtype="bfloat16",
+        spec=spec,
+    )  # fmt: skip
+    deep = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=2, dq_num_stages=9)
+    assert tri._fits(shape, dataclasses.replace(deep, dq_num_stages=2), backward=True)
+    assert not tri._fits(shape, deep, backward=True)  # nine stages of dQ tiles overflow
+    with pytest.raises(ValueError, match="dq_num_stages=0"):
+        BwdParams(dq_num_stages=0)
 
 
 @pytest.mark.parametrize("blocks", [(32, 16), (16, 32)])
@@ -412,6 +434,9 @@ def test_configs_fit_and_cover_the_heuristic():
         for fp, bp in cands[1:]:
             assert tri._fits(shape, fp, backward=False) and tri._fits(shape, bp, backward=True)
             assert fp.q_blocksize <= max(16, 1 << (seq - 1).bit_length())
+    # the heuristic's backward with its dQ kernel on 1 and 2 of its 3 stages
+    shallower = {bp.dq_num_stages for _, bp in cands if bp.dq_num_stages is not None}
+    assert shallower == {1, 2} and heur[1].num_stages == 3
     # a 128 x 128 block pair with 4 stages of 128-wide head dims does not fit in shared memory
     big = FwdParams(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=4)
     assert not tri._fits(shape, big, backward=False)

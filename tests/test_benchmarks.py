@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from ejkfn import BwdParams
+
 from ._subprocess import ROOT, child_env
 
 
@@ -702,6 +704,21 @@ def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
     out = _run("features_gpu.py", "--shapes", "1x256x2x64", "--features", "mask", "--seconds", "1e-9", "--out", str(tmp_path))  # fmt: skip
     assert "1x256x2x64 causal mask not run: past --seconds" in out
     assert _saved(tmp_path, "features_*.json")["rows"] == []
+
+
+def test_blocks_on_the_command_line_take_a_variant_and_the_dq_kernels_stages():
+    (attention,) = _benchmark_modules("attention")
+    parse = attention.parse_params
+    assert parse("64x128x8x3", BwdParams) == BwdParams(
+        q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3
+    )
+    assert parse("64x128x8x3xmirroredxdq2", BwdParams) == BwdParams(
+        q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant="mirrored",
+        dq_num_stages=2,
+    )  # fmt: skip
+    assert parse("64x128x8x3xdq1", BwdParams).dq_num_stages == 1
+    with pytest.raises(ValueError, match="more than one variant"):
+        parse("64x128x8x3xmirroredxwide", BwdParams)
 
 
 def test_features_benchmark_adds_the_blocks_asked_for(monkeypatch):

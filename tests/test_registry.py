@@ -25,6 +25,22 @@ def test_params_are_frozen_hashable_and_validated():
     assert ejkfn.KernelConfig(priority=0).priority == 0  # priority is not a size
 
 
+def test_backward_params_keep_the_dq_stages_through_json_and_read_older_configs():
+    """A config written before ``dq_num_stages`` existed (no such field) reads as None: the dQ
+    kernel then runs on ``num_stages``."""
+    from ejkfn._serialize import from_json, to_json
+
+    bp = ejkfn.BwdParams(num_stages=3, variant="mirrored", dq_num_stages=2)
+    assert from_json(to_json(bp)) == bp
+    older = '{"fields":{"num_stages":3,"variant":"mirrored"},"type":"ejkfn._registry:BwdParams"}'
+    assert from_json(older) == ejkfn.BwdParams(num_stages=3, variant="mirrored")
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(
+            (ValueError, TypeError), match="dq_num_stages"
+        ):  # TypeError: type checks
+            ejkfn.BwdParams(dq_num_stages=bad)
+
+
 def test_registry_and_detection():
     marker = object()
     ejkfn.register_kernel("test_algo", "xla", "cpu")(marker)

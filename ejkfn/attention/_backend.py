@@ -88,23 +88,26 @@ CUDNN_BWD = "cudnn"
 
 
 class DqLaunch(NamedTuple):
-    """How a portable dQ kernel runs: query rows kept, key columns streamed, warps."""
+    """How a portable dQ kernel runs: query rows kept, key columns streamed, warps, stages."""
 
     rows: int
     cols: int
     num_warps: int
+    num_stages: int
 
 
 def dq_launch(params: BwdParams) -> DqLaunch:
     """The dQ kernel's launch that ``params`` asks of a portable backward."""
+    stages = params.dq_num_stages or params.num_stages
     if params.variant is None:
-        return DqLaunch(params.q_blocksize, params.kv_blocksize, params.num_warps)
+        return DqLaunch(params.q_blocksize, params.kv_blocksize, params.num_warps, stages)
     if params.variant == MIRRORED:
-        return DqLaunch(params.kv_blocksize, params.q_blocksize, params.num_warps)
+        return DqLaunch(params.kv_blocksize, params.q_blocksize, params.num_warps, stages)
     if params.variant == MIRRORED_HALF:
-        return DqLaunch(max(params.kv_blocksize // 2, 16), params.q_blocksize, params.num_warps)
+        rows = max(params.kv_blocksize // 2, 16)
+        return DqLaunch(rows, params.q_blocksize, params.num_warps, stages)
     if params.variant == MIRRORED_WIDE:
-        return DqLaunch(params.kv_blocksize, 2 * params.q_blocksize, 2 * params.num_warps)
+        return DqLaunch(params.kv_blocksize, 2 * params.q_blocksize, 2 * params.num_warps, stages)
     raise ValueError(
         f"variant={params.variant!r}: the portable backwards take None or one of "
         f"{PORTABLE_VARIANTS}"

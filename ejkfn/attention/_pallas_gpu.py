@@ -828,7 +828,9 @@ def bwd(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=dataclasses.replace(cp, num_warps=dq_run.num_warps),
+        compiler_params=dataclasses.replace(
+            cp, num_warps=dq_run.num_warps, num_stages=dq_run.num_stages
+        ),
         interpret=interpret,
         name="ejkfn_flash_bwd_dq",
     )(*padded(gq, _pad_qkv(gq, out.astype(q.dtype), gq.sqp)))
@@ -922,8 +924,8 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
         return smem <= _SMEM_LIMIT
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item, pair, resident=2)
-    rows, cols, _ = dq_launch(p)
-    dq = _smem_bytes(rows, cols, dpad, p.num_stages, item, pair, resident=2)
+    rows, cols, _, dq_stages = dq_launch(p)
+    dq = _smem_bytes(rows, cols, dpad, dq_stages, item, pair, resident=2)
     return max(dkdv, dq) <= _SMEM_LIMIT
 
 

@@ -318,7 +318,7 @@ def bwd(
             call.row_stats,
         ),
         num_warps=dq_run.num_warps,
-        num_stages=params.num_stages,
+        num_stages=dq_run.num_stages,
         interpret=interpret,
         BLOCK_Q=dq_rows,
         BLOCK_K=dq_cols,
@@ -377,10 +377,10 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
         values = (bq * d + bq * bk) / threads
         return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
     # dK/dV keeps k, v blocks and streams q, do; dQ keeps its rows of q, do and streams k, v
-    rows, cols, dq_warps = dq_launch(p)
+    rows, cols, dq_warps, dq_stages = dq_launch(p)
     if dq_warps > 8:
         return False  # two warpgroups at most: a 128-row dQ block on more splits its products
-    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * rows + 2 * cols * stages)
+    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * rows + 2 * cols * dq_stages)
     values = max(
         (max(2 * bk * d, bq * d) + bq * bk) / threads, (rows * d + rows * cols) / (32 * dq_warps)
     )
@@ -443,7 +443,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     """Configs for the tuner: forward variants with the heuristic backward, then backward variants
-    with the heuristic forward, leaving out those that cannot fit or are larger than needed."""
+    with the heuristic forward (among them the heuristic's backward with its dQ kernel on fewer
+    stages, where ptxas serialized its wgmmas with a bias or a mask), leaving out those that
+    cannot fit or are larger than needed."""
     heur_f, heur_b = heuristic(shape)
     fwds = [
         FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
@@ -465,6 +467,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for w in (4, 8)
         for s in (3, 4)
     ]
+    bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
     out += [(heur_f, b) for b in bwds if b != heur_b and _fits(shape, b, backward=True)]
