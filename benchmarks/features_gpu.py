@@ -317,11 +317,11 @@ def main() -> int:
     blocks = tuple(filter(None, args.blocks.split(",")))
     for item in blocks:
         parts = item.split(":")
-        if (
-            len(parts) != 3
-            or parts[1] not in ("fwd", "bwd")
-            or len(parts[2].split("x")) not in (4, 5, 6)
-        ):
+        try:  # impls parses them again; parsing here fails a typo before any compile
+            if len(parts) != 3 or parts[1] not in ("fwd", "bwd"):
+                raise ValueError(parts)
+            parse_params(parts[2], FwdParams if parts[1] == "fwd" else BwdParams)
+        except (ValueError, TypeError):
             parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]")
     rows: list[dict[str, Any]] = []
     t0, stamp = time.time(), time.strftime("%Y%m%d-%H%M%S")

@@ -348,7 +348,7 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, ev
             assert row["spill_bytes"] <= 8, row
 
 
-_FEATURES = {
+_SPEC_OPTIONS = {
     "soft_cap": dict(soft_cap=30.0),
     "segments": dict(has_segments=True),
     "dropout": dict(dropout_prob=0.1),
@@ -358,12 +358,12 @@ _FEATURES = {
 }
 
 
-@pytest.mark.parametrize("feature", ["none", *_FEATURES])
+@pytest.mark.parametrize("feature", ["none", *_SPEC_OPTIONS])
 def test_heuristic_blocks_with_a_feature(feature):
     """Causal, the dK/dV blocks at head dim 64 leave mirrored_wide for 64 x 64 with any feature
     (they spill with one), and the forward at 128 takes 128 x 64 on 8 warps with the features that serialize its
     wgmmas (dropout, a bias) or slow it (a mask); not causal, both keep their blocks."""
-    options = _FEATURES.get(feature, {})
+    options = _SPEC_OPTIONS.get(feature, {})
 
     def blocks(dim, causal):
         spec = AttentionSpec(scale=0.1, causal=causal, **options)
