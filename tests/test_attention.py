@@ -703,7 +703,10 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (128, False, "bias", _TRI, _TRI),
         (64, True, "dropout", _TRI, _TRI),
         (128, True, "dropout", _TRI, _TRI),
-        (64, False, "dropout", _PT, _PT),  # the default order: cuDNN and Mosaic refuse
+        (64, False, "dropout", _TRI, _TRI),
+        (128, False, "dropout", _TRI, _TRI),
+        (64, False, "segments", _TRI, _PT),
+        (128, False, "segments", _TRI, _TRI),
         (64, True, "window", _PT, _CUDNN),
         (64, True, "wide_window", _CUDNN, _CUDNN),  # the default order
         (128, True, "window", _CUDNN, _CUDNN),  # the default order

@@ -399,7 +399,8 @@ def _hopper_cfg(
 # - a soft cap: Triton (Pallas-Triton 0.92-0.93x at D = 64 on both kernels' feature blocks,
 #   0.82-0.98x before them; forward 0.91x at 4x4096x16x128);
 # - segment ids: Triton above D = 64 (Pallas-Triton 0.84-0.87x to train); Pallas-Triton at 64,
-#   on its 64 x 64 backward (Triton 0.97-0.98x to train, forward 0.93x);
+#   on its 64 x 64 backward (Triton 0.97-0.98x to train, forward 0.93x), except to train without
+#   a mask, where Pallas-Triton keeps its wide blocks (0.91x Triton; forward 1.00x, Triton 0.97x);
 # - a mask: to train, Triton above D = 64 (Pallas-Triton 0.83-0.91x, cuDNN 0.83-0.84x at 4x4096
 #   and 2x8192 x16x128), Pallas-Triton at 64 (0.99-1.00x; Triton 0.90-0.98x, cuDNN 0.90-0.98x);
 #   to infer, Triton above D = 64 causal (Pallas-Triton 0.98x, cuDNN 0.95-0.99x), Pallas-Triton
@@ -408,8 +409,8 @@ def _hopper_cfg(
 #   Triton otherwise (Pallas-Triton 0.88-0.99x); to infer, Pallas-Triton at D = 64 causal, Triton
 #   otherwise (above 64 causal, on its 128 x 64 forward: Pallas-Triton 0.71-0.74x, cuDNN
 #   0.81-0.84x; without a mask 0.99-1.00x);
-# - dropout, causal: Triton (Pallas-Triton 0.94-0.97x, forward 0.96-1.00x). Not measured
-#   without a mask, which keeps the default order;
+# - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
+#   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window at D = 64 that spans at most _NARROW_WINDOW keys besides the diagonal: Pallas-Triton
 #   to train (its 64 x 64 backward; cuDNN 0.82-0.92x 512 keys wide at 8x2048x32, with and without
 #   GQA, and 2x8192x32, 0.98x 1024 wide there), cuDNN to infer where it can. 2048 keys wide cuDNN
@@ -430,7 +431,9 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
     if spec.soft_cap is not None:
         return _TRITON, _TRITON
     if spec.has_segments:
-        return (_TRITON, _TRITON) if wide else (_PALLAS_TRITON, _PALLAS_TRITON)
+        if wide:
+            return _TRITON, _TRITON
+        return (_PALLAS_TRITON if spec.causal else _TRITON), _PALLAS_TRITON
     if spec.has_mask:
         return (_TRITON if wide else _PALLAS_TRITON), (
             _TRITON if wide and spec.causal else _PALLAS_TRITON
@@ -438,7 +441,7 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
     if spec.has_bias:
         training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
         return training, (_PALLAS_TRITON if spec.causal and not wide else _TRITON)
-    if spec.dropout_prob > 0.0 and spec.causal:
+    if spec.dropout_prob > 0.0:
         return _TRITON, _TRITON
     if spec.window is not None and not wide:
         left, right = spec.window

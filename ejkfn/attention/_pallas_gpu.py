@@ -51,7 +51,9 @@ __all__ = ["bwd", "candidates", "fwd", "heuristic"]
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _MIN_BLOCK = 16  # tensor-core dots need at least 16 rows/cols
-_SMEM_LIMIT = 200 * 1024  # bytes of shared memory we allow one program on Hopper (228 KB max)
+# Bytes of shared memory we allow one program on Hopper (227 KiB at most): _smem_bytes came within
+# 1 KiB under what the compiler asked where it failed (257 KiB, a float32 bias at D = 128).
+_SMEM_LIMIT = 212 * 1024
 
 
 def _next_pow2(n: int) -> int:
@@ -896,11 +898,16 @@ def bwd(
 def _smem_bytes(
     kept: int, streamed: int, dpad: int, stages: int, itemsize: int, pair: int, resident: int = 1
 ) -> int:
-    """Rough shared memory of one program: ``resident`` kept blocks, the pipelined streamed blocks,
-    a tile per kept block, and ``pair`` bytes a score of bias and mask tiles in each stage."""
+    """Shared memory of one program: ``resident`` kept blocks, ``stages`` buffers of the streamed
+    blocks, a score tile per kept block, and ``stages - 1`` buffers of the bias and mask tiles
+    (``pair`` bytes a score). Triton 3.6 keeps ``stages - 1`` buffers of a pipelined load that
+    feeds no dot: its count for the portable Triton kernels at D = 128 grows by 2 x 8 KiB with a
+    128 x 64 int8 mask on 3 stages (``triton_sass.py``'s compile, ``metadata.shared``); at 3 a
+    buffer each had put the mirrored backward with a mask over the limit, and 3 stages ran
+    1.10-1.22x the 2 it fell to (results/features_NVIDIA_H200_20261129-075338.json)."""
     outer = resident * kept
     blocks = (outer * dpad + 2 * stages * streamed * dpad + outer * streamed) * itemsize
-    return blocks + stages * kept * streamed * pair
+    return blocks + max(stages - 1, 1) * kept * streamed * pair
 
 
 def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bool:
@@ -963,9 +970,14 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     1.00-1.07x the 64 x 64, 4-warp blocks kept before; at D = 64 mirrored 128 kept and 32
     streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages. With a float32 bias the mirrored blocks
     fit one stage, and 64 x 64 with 3 ran 1.15-1.21x them
-    (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json). At D = 64 the dQ kernel then
+    (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json; counted as below they fit 2, and
+    64 x 64 still ran 1.10x them, results/features_NVIDIA_H200_20261129-074659.json). At D = 64 the dQ kernel then
     streaming 64 keys on 8 warps (mirrored_wide) ran 1.022-1.037x at 8x2048x32 and 2x8192x32,
-    causal and not (results/revision_ab_NVIDIA_H200_20261128-115536.json).
+    causal and not (results/revision_ab_NVIDIA_H200_20261128-115536.json). Counting the bias and
+    mask tiles' buffers as Triton does (:func:`_smem_bytes`) kept 3 stages where they had cut
+    them to 2 at D = 128: the mirrored backward with a mask ran forward+backward 1.10x (causal)
+    and 1.22x (not) at 4x4096x16 (-075338.json against -074528.json), the forward with a bias
+    1.25x (-080159.json).
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:
@@ -980,7 +992,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     elif d <= 128:
         warps = 8 if shape.spec.causal else 4
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=warps, num_stages=3)
-        if shape.spec.has_bias:  # a bias's tiles leave the mirrored blocks one stage; these keep 3
+        if shape.spec.has_bias:  # the mirrored blocks fit 2 stages, 0.91x these on 3
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
         else:
             bp = BwdParams(
