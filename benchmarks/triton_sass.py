@@ -10,11 +10,12 @@ ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round)
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
         [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored[xdq2]]
-        [--feature segments] [--json FILE]
+        [--feature segments [--bias-dtype float32]] [--json FILE]
 
 ``--feature`` compiles calls that use one (``bias``, ``mask``, ``segments``, ``dropout``,
 ``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the heuristic
-picks for such a call.
+picks for such a call; ``--bias-dtype`` gives the bias another dtype than bf16. Each kernel's row
+also has the shared memory it asks at launch (Triton's count; Hopper allows 227 KiB).
 
 ``--ptx FILE...`` reads PTX built elsewhere the same way: XLA's build of the Pallas-Triton kernels,
 kept on a GPU by ``benchmarks/xla_ptxas/ptxas``. Its ``.version`` is lowered to what this ptxas
@@ -67,16 +68,25 @@ class Launch:
     constexprs: dict[str, Any]
 
 
-def _feature_inputs(shape: AttentionShape, feature: str) -> tuple[Any, ...]:
-    """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them."""
+def _feature_inputs(
+    shape: AttentionShape, feature: str, bias_dtype: str | None = None
+) -> tuple[Any, ...]:
+    """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them
+    (its bf16 bias in ``bias_dtype`` where given)."""
     case = Case(shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim, False)
     made = jax.eval_shape(lambda: feature_arrays(case, feature))
+    if bias_dtype is not None and "bias" in made:
+        made["bias"] = jax.ShapeDtypeStruct(made["bias"].shape, jnp.dtype(bias_dtype))
     names = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
     return tuple(made.get(name) for name in names)
 
 
 def launches(
-    shape: AttentionShape, fp: FwdParams, bp: BwdParams, feature: str = "none"
+    shape: AttentionShape,
+    fp: FwdParams,
+    bp: BwdParams,
+    feature: str = "none",
+    bias_dtype: str | None = None,
 ) -> dict[str, Launch]:
     """name -> the launch of each kernel of a forward and backward at ``shape``, recorded by
     running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher
@@ -98,7 +108,7 @@ def launches(
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
-    extra = _feature_inputs(shape, feature)
+    extra = _feature_inputs(shape, feature, bias_dtype)
     kw = dict(spec=shape.spec, interpret=False)
     real, _triton.launch = _triton.launch, record
     try:
@@ -122,8 +132,9 @@ def _ptxas() -> Path:
     return Path(nvidia.__file__).parent / "bin" / "ptxas"
 
 
-def compile_sm90(launch: Launch) -> tuple[str, str]:
-    """(ptxas's report of registers, spills and warnings; the SASS) of ``launch`` for sm_90a."""
+def compile_sm90(launch: Launch) -> tuple[str, str, int]:
+    """(ptxas's report of registers, spills and warnings; the SASS; the shared memory bytes the
+    kernel asks at launch) of ``launch`` for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -145,7 +156,7 @@ def compile_sm90(launch: Launch) -> tuple[str, str]:
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
     )
-    return assemble(compiled.asm["ptx"])
+    return (*assemble(compiled.asm["ptx"]), compiled.metadata.shared)
 
 
 def assemble(ptx_text: str) -> tuple[str, str]:
@@ -197,7 +208,8 @@ def loops(sass: str) -> list[dict[str, Any]]:
 
 
 def inspect(launch: Launch) -> dict[str, Any]:
-    return report(*compile_sm90(launch))
+    ptxas_output, sass, shared = compile_sm90(launch)
+    return report(ptxas_output, sass) | dict(shared_bytes=shared)
 
 
 def report(ptxas_output: str, sass: str) -> dict[str, Any]:
@@ -213,8 +225,9 @@ def report(ptxas_output: str, sass: str) -> dict[str, Any]:
 
 
 def _summary(row: dict[str, Any]) -> str:
+    shared = f", {row['shared_bytes']} bytes shared" if "shared_bytes" in row else ""
     return (
-        f"{row['registers']} registers, {row['spill_bytes']} bytes spilled, "
+        f"{row['registers']} registers, {row['spill_bytes']} bytes spilled{shared}, "
         f"warnings {row['warnings'] or 'none'}"
     )
 
@@ -235,6 +248,12 @@ def main() -> int:
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
     parser.add_argument("--feature", choices=FEATURES, default="none")
+    parser.add_argument(
+        "--bias-dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="the bias's dtype with --feature bias (default bf16, as features_gpu.py)",
+    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
@@ -264,7 +283,8 @@ def main() -> int:
             bp = parse_params(args.bwd, BwdParams) if args.bwd else bp
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
             case += "" if args.feature == "none" else f" +{args.feature}"
-            for name, launch in launches(shape, fp, bp, args.feature).items():
+            case += f" ({args.bias_dtype})" if args.bias_dtype and args.feature == "bias" else ""
+            for name, launch in launches(shape, fp, bp, args.feature, args.bias_dtype).items():
                 if name not in wanted:
                     continue
                 blocks = {k: launch.constexprs[k] for k in ("BLOCK_Q", "BLOCK_K")}

@@ -341,11 +341,80 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, ev
         rows = json.loads(report.read_text())
     assert len(rows) == 6
     for row in rows:
+        assert row["shared_bytes"] <= HOPPER_SHARED_BYTES, row
         narrow_dkdv = row["kernel"] == "dkdv" and "x64 " in row["case"]
         if every_kernel or row["kernel"] == "fwd":
             assert row["warnings"] == [] and row["spill_bytes"] <= 8, row
         elif narrow_dkdv:  # a bias serializes its wgmmas on any blocks (C7513)
             assert row["spill_bytes"] <= 8, row
+
+
+HOPPER_SHARED_BYTES = 227 * 1024  # the most one program may opt into on an H100 or H200
+
+
+@pytest.mark.slow
+def test_compiled_kernels_fit_shared_memory_with_a_float32_bias():
+    """The heuristic's blocks are chosen for a bf16 bias; with a float32 one the mirrored dK/dV
+    kernel at head dim 128 asked 241 KiB on 3 stages. Compiled for sm_90a, every kernel now fits
+    Hopper's 227 KiB, causal and not, at head dims 64 and 128."""
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "sass.json"
+        script = str(ROOT / "benchmarks" / "triton_sass.py")
+        done = subprocess.run(
+            [sys.executable, script, "--masks", "both", "--shapes", "8x2048x32x64,4x4096x16x128",
+             "--feature", "bias", "--bias-dtype", "float32", "--json", str(report)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        rows = json.loads(report.read_text())
+    assert len(rows) == 12
+    for row in rows:
+        assert 0 < row["shared_bytes"] <= HOPPER_SHARED_BYTES, row
+
+
+def _launched_stages(monkeypatch, bias_dtype, mask: bool) -> dict[str, int]:
+    """kernel -> the stages ``tri.fwd`` and ``tri.bwd`` launch it with at 4x4096x16x128 causal on
+    the heuristic's blocks, traced abstractly."""
+    stages = {}
+
+    def record(kernel, *args, out_shapes, num_stages, **kw):
+        stages[kernel.__name__] = num_stages
+        return tuple(jnp.zeros(o.shape, o.dtype) for o in out_shapes)
+
+    monkeypatch.setattr(tri, "launch", record)
+    spec = AttentionSpec(scale=0.088, causal=True, has_bias=True, has_mask=mask)
+    q = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 16, 4096, 4096), bias_dtype)
+    attention_mask = jax.ShapeDtypeStruct((1, 1, 4096, 4096), jnp.bool_) if mask else None
+    fp, bp = tri.heuristic(AttentionShape.of(q, q, spec))
+    lse = jax.ShapeDtypeStruct((4, 16, 4096), jnp.float32)
+
+    def both(q, bias, lse, *mask):
+        m = mask[0] if mask else None
+        kw = dict(spec=spec, interpret=True)  # the launch is recorded, not run
+        tri.fwd(q, q, q, bias, m, None, None, None, params=fp, **kw)
+        return tri.bwd(q, q, q, bias, m, None, None, None, q, lse, q, params=bp, **kw)
+
+    jax.eval_shape(both, q, bias, lse, *([attention_mask] if mask else []))
+    return stages
+
+
+@pytest.mark.parametrize(
+    ("bias_dtype", "mask", "fwd", "dq", "dkdv"),
+    [
+        (jnp.bfloat16, False, 3, 3, 3),  # the blocks as timed
+        (jnp.bfloat16, True, 3, 3, 3),
+        (jnp.float32, False, 3, 3, 2),  # 241 KiB on 3
+        (jnp.float32, True, 3, 2, 2),  # dQ 240 KiB on 3
+    ],
+)
+def test_wide_bias_tiles_launch_on_fewer_stages(monkeypatch, bias_dtype, mask, fwd, dq, dkdv):
+    """A kernel whose bias and mask tiles would pass Hopper's shared memory on the config's stages
+    launches on fewer (the config is chosen without the bias's dtype); 16-bit ones keep them."""
+    stages = _launched_stages(monkeypatch, bias_dtype, mask)
+    assert stages == {"fwd_kernel": fwd, "bwd_dq_kernel": dq, "bwd_dkdv_kernel": dkdv}
 
 
 _SPEC_OPTIONS = {

@@ -129,6 +129,25 @@ def _pairwise(x: Any, full: tuple[int, int, int, int], what: str) -> list[int]:
     ]
 
 
+def _smem_bytes(
+    item: int,
+    d: int,
+    resident: int,
+    kept: int,
+    streamed: int,
+    stages: int,
+    tile_bytes: int = 0,
+    extra_tile_bytes: int = 0,
+) -> int:
+    """Shared memory of one kernel as Triton 3.6 lays it out for sm_90 (``triton_sass.py``'s
+    compile, ``metadata.shared``): ``resident`` kept ``[kept, d]`` blocks, ``stages`` buffers of two
+    streamed ``[streamed, d]`` blocks, ``stages - 1`` of the bias and mask tiles (``tile_bytes`` a
+    score), and one more tile of ``extra_tile_bytes`` a score. To the byte for the forward and dQ
+    kernels at D = 128 with every bias dtype and mask; the dK/dV kernel keeps 1 KiB more."""
+    blocks = item * d * (resident * kept + 2 * streamed * stages)
+    return blocks + ((stages - 1) * tile_bytes + extra_tile_bytes) * kept * streamed
+
+
 @dataclasses.dataclass(frozen=True)
 class _Call:
     """The operands and compile-time constants shared by all kernels of one attention call."""
@@ -141,6 +160,26 @@ class _Call:
     seq_q: int
     seq_k: int
     block_d: int
+    item: int  # bytes of a q element
+    tile_bytes: int  # bytes a score of the bias and mask tiles
+    wide_bias_bytes: int  # a bias's bytes a score where it is 4 or more, else 0
+
+    def stages(self, kept: int, streamed: int, stages: int, resident: int, dkdv: bool) -> int:
+        """``stages``, fewer where the kernel's tiles would pass Hopper's shared memory. Configs
+        are chosen for 16-bit bias tiles (the dtype is not in the shape); with a float32 bias the
+        mirrored dK/dV kernel at D = 128 took 241 KiB on 3 stages, 2.5 buffers of its bias tile
+        where Triton pipelines 2 (``triton_sass.py --bias-dtype float32``), so it counts one
+        more."""
+        extra = self.wide_bias_bytes if dkdv else 0
+        while (
+            stages > 1
+            and _smem_bytes(
+                self.item, self.block_d, resident, kept, streamed, stages, self.tile_bytes, extra
+            )
+            > _SMEM_BYTES
+        ):
+            stages -= 1
+        return stages
 
     @property
     def row_stats(self) -> jax.ShapeDtypeStruct:
@@ -154,6 +193,8 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
     seq_k, kv_heads = k.shape[1], k.shape[2]
     full = (batch, heads, seq_q, seq_k)
     has_bias, has_mask, has_seg = bias is not None, mask is not None, q_seg is not None
+    bias_bytes = np.dtype(bias.dtype).itemsize if has_bias else 0
+    tile_bytes = bias_bytes + int(has_mask)
     dummy_f32 = jnp.zeros((1,), jnp.float32)
     if has_bias:
         sbb, sbh, sbm, sbn = _pairwise(bias, full, "bias")
@@ -216,6 +257,9 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         seq_q=seq_q,
         seq_k=seq_k,
         block_d=_block_d(head_dim),
+        item=np.dtype(q.dtype).itemsize,
+        tile_bytes=tile_bytes,
+        wide_bias_bytes=bias_bytes if bias_bytes >= 4 else 0,
     )
 
 
@@ -256,7 +300,7 @@ def fwd(
             call.row_stats,
         ),
         num_warps=params.num_warps,
-        num_stages=params.num_stages,
+        num_stages=call.stages(block_q, block_k, params.num_stages, resident=1, dkdv=False),
         interpret=interpret,
         **call.meta,
         SOB=call.meta["SQB"],
@@ -318,7 +362,7 @@ def bwd(
             call.row_stats,
         ),
         num_warps=dq_run.num_warps,
-        num_stages=dq_run.num_stages,
+        num_stages=call.stages(dq_rows, dq_cols, dq_run.num_stages, resident=2, dkdv=False),
         interpret=interpret,
         BLOCK_Q=dq_rows,
         BLOCK_K=dq_cols,
@@ -339,7 +383,7 @@ def bwd(
             jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
         ),
         num_warps=params.num_warps,
-        num_stages=params.num_stages,
+        num_stages=call.stages(block_k, block_q, params.num_stages, resident=2, dkdv=True),
         interpret=interpret,
         zeroed=(2,) if has_bias else (),
         BLOCK_Q=block_q,
@@ -373,14 +417,16 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
     ):
         return False  # a smaller block covers the sequence: same result, less work
     if not backward:
-        smem = item * d * (bq + 2 * bk * stages)
+        smem = _smem_bytes(item, d, 1, bq, bk, stages)
         values = (bq * d + bq * bk) / threads
         return smem <= _SMEM_BYTES and values <= _FWD_VALUES_PER_THREAD
     # dK/dV keeps k, v blocks and streams q, do; dQ keeps its rows of q, do and streams k, v
     rows, cols, dq_warps, dq_stages = dq_launch(p)
     if dq_warps > 8:
         return False  # two warpgroups at most: a 128-row dQ block on more splits its products
-    smem = item * d * max(2 * bk + 2 * bq * stages, 2 * rows + 2 * cols * dq_stages)
+    smem = max(
+        _smem_bytes(item, d, 2, bk, bq, stages), _smem_bytes(item, d, 2, rows, cols, dq_stages)
+    )
     values = max(
         (max(2 * bk * d, bq * d) + bq * bk) / threads, (rows * d + rows * cols) / (32 * dq_warps)
     )
