@@ -1,6 +1,6 @@
 """The Triton attention kernels compiled for a Hopper GPU on any machine, GPU or not: registers,
-spills, ptxas's warnings and each loop's instructions, in bf16, for the configs the heuristic
-picks (or the blocks given).
+spills, ptxas's warnings and each loop's instructions, in bf16 (or ``--dtype``), for the configs
+the heuristic picks (or the blocks given).
 
 Each kernel is compiled exactly as the Triton backend launches it (grid constants, blocks and
 pointer alignment as jax-triton passes them), for sm_90a, by Triton's own compiler and the ptxas it
@@ -10,7 +10,7 @@ ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round)
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
         [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored[xdq2]]
-        [--feature segments [--bias-dtype float32]] [--json FILE]
+        [--feature segments [--bias-dtype float32]] [--dtype float32] [--json FILE]
 
 ``--feature`` compiles calls that use one (``bias``, ``mask``, ``segments``, ``dropout``,
 ``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the heuristic
@@ -105,8 +105,8 @@ def launches(
         return tuple(jnp.zeros(s.shape, s.dtype) for s in out_shapes)
 
     b, s, h, kvh, d = shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim
-    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.dtype(shape.dtype))
+    kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.dtype(shape.dtype))
     lse = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
     extra = _feature_inputs(shape, feature, bias_dtype)
     kw = dict(spec=shape.spec, interpret=False)
@@ -248,6 +248,7 @@ def main() -> int:
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
     parser.add_argument("--feature", choices=FEATURES, default="none")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument(
         "--bias-dtype",
         choices=("bfloat16", "float16", "float32"),
@@ -275,8 +276,8 @@ def main() -> int:
     for b, s, h, kvh, d in parse_shapes(args.shapes):
         for causal in MASKS[args.masks]:
             spec = AttentionSpec(scale=d**-0.5, causal=causal)
-            q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
-            k = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.bfloat16)
+            q = jax.ShapeDtypeStruct((b, s, h, d), jnp.dtype(args.dtype))
+            k = jax.ShapeDtypeStruct((b, s, kvh, d), jnp.dtype(args.dtype))
             shape = AttentionShape.of(q, k, feature_spec(spec, args.feature, s))
             fp, bp = _triton.heuristic(shape)
             fp = parse_params(args.fwd, FwdParams) if args.fwd else fp
@@ -284,6 +285,7 @@ def main() -> int:
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
             case += "" if args.feature == "none" else f" +{args.feature}"
             case += f" ({args.bias_dtype})" if args.bias_dtype and args.feature == "bias" else ""
+            case += "" if args.dtype == "bfloat16" else f" {args.dtype}"
             for name, launch in launches(shape, fp, bp, args.feature, args.bias_dtype).items():
                 if name not in wanted:
                     continue
