@@ -286,11 +286,12 @@ def test_forward_blocks_of_two_sizes(feature, blocks):
     _check(args, dout, spec, fp=FwdParams(q_blocksize=blocks[0], kv_blocksize=blocks[1]))
 
 
-@pytest.mark.slow
-def test_compiled_kernels_keep_their_wgmmas_in_flight():
-    """Compiled for sm_90a (benchmarks/triton_sass.py, no GPU needed), no kernel of the heuristic's
-    configs has ptxas serialize its wgmmas (warning C7515: a wait after every one), as the D = 64
-    causal forward did while its diagonal ran after the interior."""
+HOPPER_SHARED_BYTES = 227 * 1024  # the most one program may opt into on an H100 or H200
+
+
+def _compiled_rows(*options: str) -> list[dict]:
+    """The rows of ``benchmarks/triton_sass.py`` (compiling for sm_90a, no GPU needed) at
+    8x2048x32x64 and 4x4096x16x128 with ``options``."""
     env = child_env()
     env.pop("TRITON_INTERPRET", None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,11 +299,19 @@ def test_compiled_kernels_keep_their_wgmmas_in_flight():
         script = str(ROOT / "benchmarks" / "triton_sass.py")
         shapes = "8x2048x32x64,4x4096x16x128"
         done = subprocess.run(
-            [sys.executable, script, "--masks", "both", "--shapes", shapes, "--json", str(report)],
+            [sys.executable, script, "--shapes", shapes, *options, "--json", str(report)],
             env=env, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        rows = json.loads(report.read_text())
+        return json.loads(report.read_text())
+
+
+@pytest.mark.slow
+def test_compiled_kernels_keep_their_wgmmas_in_flight():
+    """Compiled for sm_90a (benchmarks/triton_sass.py, no GPU needed), no kernel of the heuristic's
+    configs has ptxas serialize its wgmmas (warning C7515: a wait after every one), as the D = 64
+    causal forward did while its diagonal ran after the interior."""
+    rows = _compiled_rows("--masks", "both")
     assert {(r["case"], r["kernel"]) for r in rows} >= {("8x2048x32x64 causal", "fwd")}
     assert len(rows) == 12
     for row in rows:
@@ -327,18 +336,7 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, ev
     known faults (C7515 in dQ with a bias, C7513 in dK/dV, 12-28 byte spills at head dim 128;
     benchmarks/NOTES.md). The segments' dK/dV kernel at head dim 128 spills 4 bytes (its loop
     state), which the bound allows."""
-    env = child_env()
-    env.pop("TRITON_INTERPRET", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "sass.json"
-        script = str(ROOT / "benchmarks" / "triton_sass.py")
-        done = subprocess.run(
-            [sys.executable, script, "--masks", "causal", "--shapes", "8x2048x32x64,4x4096x16x128",
-             "--feature", feature, "--json", str(report)],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        rows = json.loads(report.read_text())
+    rows = _compiled_rows("--masks", "causal", "--feature", feature)
     assert len(rows) == 6
     for row in rows:
         assert row["shared_bytes"] <= HOPPER_SHARED_BYTES, row
@@ -349,26 +347,12 @@ def test_compiled_kernels_with_a_feature_neither_spill_nor_serialize(feature, ev
             assert row["spill_bytes"] <= 8, row
 
 
-HOPPER_SHARED_BYTES = 227 * 1024  # the most one program may opt into on an H100 or H200
-
-
 @pytest.mark.slow
 def test_compiled_kernels_fit_shared_memory_with_a_float32_bias():
     """The heuristic's blocks are chosen for a bf16 bias; with a float32 one the mirrored dK/dV
     kernel at head dim 128 asked 241 KiB on 3 stages. Compiled for sm_90a, every kernel now fits
     Hopper's 227 KiB, causal and not, at head dims 64 and 128."""
-    env = child_env()
-    env.pop("TRITON_INTERPRET", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "sass.json"
-        script = str(ROOT / "benchmarks" / "triton_sass.py")
-        done = subprocess.run(
-            [sys.executable, script, "--masks", "both", "--shapes", "8x2048x32x64,4x4096x16x128",
-             "--feature", "bias", "--bias-dtype", "float32", "--json", str(report)],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        rows = json.loads(report.read_text())
+    rows = _compiled_rows("--masks", "both", "--feature", "bias", "--bias-dtype", "float32")
     assert len(rows) == 12
     for row in rows:
         assert 0 < row["shared_bytes"] <= HOPPER_SHARED_BYTES, row
