@@ -258,6 +258,8 @@ def main() -> int:
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
+    if args.bias_dtype and args.feature != "bias":
+        parser.error(f"--bias-dtype {args.bias_dtype} needs --feature bias, not {args.feature}")
     if args.ptx:
         rows = [
             dict(ptx=Path(path).name, **report(*assemble(Path(path).read_text())))

@@ -414,8 +414,9 @@ _SPEC_OPTIONS = {
 @pytest.mark.parametrize("feature", ["none", *_SPEC_OPTIONS])
 def test_heuristic_blocks_with_a_feature(feature):
     """Causal, the dK/dV blocks at head dim 64 leave mirrored_wide for 64 x 64 with any feature
-    (they spill with one), and the forward at 128 takes 128 x 64 on 8 warps with the features that serialize its
-    wgmmas (dropout, a bias) or slow it (a mask); not causal, both keep their blocks."""
+    (they spill with one), and the forward at 128 takes 128 x 64 on 8 warps with the features that
+    serialize its wgmmas (dropout, a bias) or slow it (a mask); not causal, both keep their
+    blocks."""
     options = _SPEC_OPTIONS.get(feature, {})
 
     def blocks(dim, causal):

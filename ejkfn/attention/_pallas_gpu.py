@@ -971,13 +971,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     streamed, 4 warps, 1.01-1.02x 64 x 64 with 3 stages. With a float32 bias the mirrored blocks
     fit one stage, and 64 x 64 with 3 ran 1.15-1.21x them
     (results/pt_bias_probe_NVIDIA_H200_20261123-041317.json; counted as below they fit 2, and
-    64 x 64 still ran 1.10x them, results/features_NVIDIA_H200_20261129-074659.json). At D = 64 the dQ kernel then
-    streaming 64 keys on 8 warps (mirrored_wide) ran 1.022-1.037x at 8x2048x32 and 2x8192x32,
-    causal and not (results/revision_ab_NVIDIA_H200_20261128-115536.json). Counting the bias and
-    mask tiles' buffers as Triton does (:func:`_smem_bytes`) kept 3 stages where they had cut
-    them to 2 at D = 128: the mirrored backward with a mask ran forward+backward 1.10x (causal)
-    and 1.22x (not) at 4x4096x16 (-075338.json against -074528.json), the forward with a bias
-    1.25x (-080159.json).
+    64 x 64 still ran 1.10x them, results/features_NVIDIA_H200_20261129-074659.json). At D = 64
+    the dQ kernel then streaming 64 keys on 8 warps (mirrored_wide) ran 1.022-1.037x at 8x2048x32
+    and 2x8192x32, causal and not (results/revision_ab_NVIDIA_H200_20261128-115536.json). Counting
+    the bias and mask tiles' buffers as Triton does (:func:`_smem_bytes`) kept 3 stages where
+    they had cut them to 2 at D = 128: the mirrored backward with a mask ran forward+backward
+    1.10x (causal) and 1.22x (not) at 4x4096x16 (-075338.json against -074528.json), the forward
+    with a bias 1.25x (-080159.json).
     """
     d = padded_head_dim(shape.head_dim)
     if d <= 64:

@@ -165,7 +165,7 @@ class _Call:
     wide_bias_bytes: int  # a bias's bytes a score where it is 4 or more, else 0
 
     def stages(self, kept: int, streamed: int, stages: int, resident: int, dkdv: bool) -> int:
-        """``stages``, fewer where the kernel's tiles would pass Hopper's shared memory. Configs
+        """``stages``, fewer where the kernel's tiles would overflow Hopper's shared memory. Configs
         are chosen for 16-bit bias tiles (the dtype is not in the shape); with a float32 bias the
         mirrored dK/dV kernel at D = 128 took 241 KiB on 3 stages, 2.5 buffers of its bias tile
         where Triton pipelines 2 (``triton_sass.py --bias-dtype float32``), so it counts one
