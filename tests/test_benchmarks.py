@@ -671,6 +671,19 @@ def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
     assert loop["fences"] >= 1 and loop["wgmma"] == 0
 
 
+def test_triton_sass_refuses_a_bias_dtype_without_a_bias():
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "triton_sass.py"), "--feature", "mask", "--bias-dtype", "float32"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert (
+        done.returncode == 2
+        and "--bias-dtype float32 needs --feature bias, not mask" in done.stderr
+    )
+
+
 @pytest.mark.slow
 def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
     """On the CPU only ``auto`` (the XLA kernel) runs; each feature's arrays must reach it, or its
