@@ -55,6 +55,8 @@ _KERNELS = __name__.rsplit(".", 1)[0] + "._triton_kernels"
 _MIN_BLOCK = 16  # tl.dot needs at least 16 along every dimension
 _MAX_HEAD_DIM = 256
 _SMEM_BYTES = 227 * 1024  # the most shared memory one program may opt into on Hopper
+# What Triton's dK/dV kernel holds beyond its tiles (its count at head dims 64 and 128)
+_DKDV_SCRATCH = 1024
 # f32 tile values per thread beyond which ptxas spills (seen compiling for sm_90: the forward at
 # 128 x 64 x 128 with 4 warps holds 192 and spills; the dK/dV kernel at 32 x 128 x 128, 288)
 _FWD_VALUES_PER_THREAD = 160
@@ -143,7 +145,8 @@ def _smem_bytes(
     compile, ``metadata.shared``): ``resident`` kept ``[kept, d]`` blocks, ``stages`` buffers of two
     streamed ``[streamed, d]`` blocks, ``stages - 1`` of the bias and mask tiles (``tile_bytes`` a
     score), and one more tile of ``extra_tile_bytes`` a score. To the byte for the forward and dQ
-    kernels at D = 128 with every bias dtype and mask; the dK/dV kernel keeps 1 KiB more."""
+    kernels at D = 128 with every bias dtype and mask; the dK/dV kernel keeps ``_DKDV_SCRATCH``
+    more."""
     blocks = item * d * (resident * kept + 2 * streamed * stages)
     return blocks + ((stages - 1) * tile_bytes + extra_tile_bytes) * kept * streamed
 
@@ -171,12 +174,13 @@ class _Call:
         where Triton pipelines 2 (``triton_sass.py --bias-dtype float32``), so it counts one
         more."""
         extra = self.wide_bias_bytes if dkdv else 0
+        limit = _SMEM_BYTES - (_DKDV_SCRATCH if dkdv else 0)
         while (
             stages > 1
             and _smem_bytes(
                 self.item, self.block_d, resident, kept, streamed, stages, self.tile_bytes, extra
             )
-            > _SMEM_BYTES
+            > limit
         ):
             stages -= 1
         return stages
@@ -425,7 +429,8 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
     if dq_warps > 8:
         return False  # two warpgroups at most: a 128-row dQ block on more splits its products
     smem = max(
-        _smem_bytes(item, d, 2, bk, bq, stages), _smem_bytes(item, d, 2, rows, cols, dq_stages)
+        _smem_bytes(item, d, 2, bk, bq, stages) + _DKDV_SCRATCH,
+        _smem_bytes(item, d, 2, rows, cols, dq_stages),
     )
     values = max(
         (max(2 * bk * d, bq * d) + bq * bk) / threads, (rows * d + rows * cols) / (32 * dq_warps)
