@@ -2,7 +2,8 @@
 
 The features are a bias, a boolean mask, segment ids (packed sequences), dropout, a logits soft
 cap and a sliding window (:data:`FEATURES`; ``windowN`` is a window ``N`` keys wide on either side
-instead of a quarter of the sequence). For each shape, mask and feature this
+instead of a quarter of the sequence, ``bias_f32`` the bias in float32 instead of bf16). For each
+shape, mask and feature this
 
 1. checks the forward and the gradients of q, k and v of every ejkfn backend that takes the feature
    (its heuristic config) and of ``platform="auto"`` against the float32 reference with the same
@@ -49,6 +50,7 @@ from ejkfn.attention._reference import reference_attention
 
 # "none" is the call without a feature, to see what each one costs.
 FEATURES = ("none", "bias", "mask", "segments", "dropout", "soft_cap", "window")
+FLOAT32_BIAS = "bias_f32"  # the bias in float32: its tiles are twice as large in shared memory
 SOFT_CAP = 50.0  # Gemma 2's attention cap
 DROPOUT = 0.1
 CHECK_SEQ = 1024  # the float32 reference holds the scores of the check
@@ -66,8 +68,10 @@ def window_keys(feature: str, seq: int) -> int | None:
 
 
 def check_feature(feature: str) -> None:
-    if feature not in FEATURES and window_keys(feature, 0) is None:
-        raise ValueError(f"feature {feature!r} is not one of {FEATURES} or windowN (N keys)")
+    if feature not in (*FEATURES, FLOAT32_BIAS) and window_keys(feature, 0) is None:
+        raise ValueError(
+            f"feature {feature!r} is not one of {FEATURES}, {FLOAT32_BIAS} or windowN (N keys)"
+        )
 
 
 def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
@@ -76,7 +80,7 @@ def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
     keys = window_keys(feature, seq)
     return dataclasses.replace(
         spec,
-        has_bias=feature == "bias",
+        has_bias=feature in ("bias", FLOAT32_BIAS),
         has_mask=feature == "mask",
         has_segments=feature == "segments",
         dropout_prob=DROPOUT if feature == "dropout" else 0.0,
@@ -88,15 +92,16 @@ def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
 def feature_arrays(case: Case, feature: str, seed: int = 0) -> dict[str, Any]:
     """The arrays ``feature`` adds to a call, as ``flash_attention``'s keyword arguments:
 
-    * bias: ``[1, H, S, S]`` bf16, a different one for each head (as a relative-position bias);
+    * bias: ``[1, H, S, S]`` bf16 (float32 for ``bias_f32``), a different one for each head (as a
+      relative-position bias);
     * mask: ``[B, 1, S, S]``, batch row ``b`` padded: its last ``b + 1`` eighths of keys masked;
     * segments: four packed documents a row, 1/8, 2/8, 2/8 and 3/8 of it long;
     * dropout: a seed (``DROPOUT`` is the probability).
     Everything else a feature needs is static (:func:`feature_spec`)."""
     b, s, h = case.batch, case.seq, case.heads
-    if feature == "bias":
+    if feature in ("bias", FLOAT32_BIAS):
         bias = jax.random.normal(jax.random.key(seed), (1, h, s, s), jnp.float32)
-        return dict(bias=bias.astype(jnp.bfloat16))
+        return dict(bias=bias if feature == FLOAT32_BIAS else bias.astype(jnp.bfloat16))
     if feature == "mask":
         valid = s - (jnp.arange(b) % 7 + 1) * s // 8
         keys = jnp.arange(s)[None, None, None, :] < valid[:, None, None, None]

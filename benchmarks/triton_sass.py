@@ -10,12 +10,12 @@ ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round)
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
         [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored[xdq2]]
-        [--feature segments [--bias-dtype float32]] [--dtype float32] [--json FILE]
+        [--feature segments] [--dtype float32] [--json FILE]
 
-``--feature`` compiles calls that use one (``bias``, ``mask``, ``segments``, ``dropout``,
-``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the heuristic
-picks for such a call; ``--bias-dtype`` gives the bias another dtype than bf16. Each kernel's row
-also has the shared memory it asks at launch (Triton's count; Hopper allows 227 KiB).
+``--feature`` compiles calls that use one (``bias``, ``bias_f32``, ``mask``, ``segments``,
+``dropout``, ``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the
+heuristic picks for such a call. Each kernel's row also has the shared memory it asks at launch
+(Triton's count; Hopper allows 227 KiB).
 
 ``--ptx FILE...`` reads PTX built elsewhere the same way: XLA's build of the Pallas-Triton kernels,
 kept on a GPU by ``benchmarks/xla_ptxas/ptxas``. Its ``.version`` is lowered to what this ptxas
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import MASKS, Case, parse_params, parse_shapes
-from features_gpu import FEATURES, feature_arrays, feature_spec
+from features_gpu import FEATURES, FLOAT32_BIAS, feature_arrays, feature_spec
 
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionShape, AttentionSpec, _triton
@@ -68,15 +68,10 @@ class Launch:
     constexprs: dict[str, Any]
 
 
-def _feature_inputs(
-    shape: AttentionShape, feature: str, bias_dtype: str | None = None
-) -> tuple[Any, ...]:
-    """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them
-    (its bf16 bias in ``bias_dtype`` where given)."""
+def _feature_inputs(shape: AttentionShape, feature: str) -> tuple[Any, ...]:
+    """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them."""
     case = Case(shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim, False)
     made = jax.eval_shape(lambda: feature_arrays(case, feature))
-    if bias_dtype is not None and "bias" in made:
-        made["bias"] = jax.ShapeDtypeStruct(made["bias"].shape, jnp.dtype(bias_dtype))
     names = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
     return tuple(made.get(name) for name in names)
 
@@ -86,7 +81,6 @@ def launches(
     fp: FwdParams,
     bp: BwdParams,
     feature: str = "none",
-    bias_dtype: str | None = None,
 ) -> dict[str, Launch]:
     """name -> the launch of each kernel of a forward and backward at ``shape``, recorded by
     running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher
@@ -108,7 +102,7 @@ def launches(
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.dtype(shape.dtype))
     kv = jax.ShapeDtypeStruct((b, shape.seq_k, kvh, d), jnp.dtype(shape.dtype))
     lse = jax.ShapeDtypeStruct((b, h, s), jnp.float32)
-    extra = _feature_inputs(shape, feature, bias_dtype)
+    extra = _feature_inputs(shape, feature)
     kw = dict(spec=shape.spec, interpret=False)
     real, _triton.launch = _triton.launch, record
     try:
@@ -247,19 +241,11 @@ def main() -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
-    parser.add_argument("--feature", choices=FEATURES, default="none")
+    parser.add_argument("--feature", choices=(*FEATURES, FLOAT32_BIAS), default="none")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument(
-        "--bias-dtype",
-        choices=("bfloat16", "float16", "float32"),
-        default=None,
-        help="the bias's dtype with --feature bias (default bf16, as features_gpu.py)",
-    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
-    if args.bias_dtype and args.feature != "bias":
-        parser.error(f"--bias-dtype {args.bias_dtype} needs --feature bias, not {args.feature}")
     if args.ptx:
         rows = [
             dict(ptx=Path(path).name, **report(*assemble(Path(path).read_text())))
@@ -286,9 +272,8 @@ def main() -> int:
             bp = parse_params(args.bwd, BwdParams) if args.bwd else bp
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
             case += "" if args.feature == "none" else f" +{args.feature}"
-            case += f" ({args.bias_dtype})" if args.bias_dtype and args.feature == "bias" else ""
             case += "" if args.dtype == "bfloat16" else f" {args.dtype}"
-            for name, launch in launches(shape, fp, bp, args.feature, args.bias_dtype).items():
+            for name, launch in launches(shape, fp, bp, args.feature).items():
                 if name not in wanted:
                     continue
                 blocks = {k: launch.constexprs[k] for k in ("BLOCK_Q", "BLOCK_K")}

@@ -352,7 +352,7 @@ def test_compiled_kernels_fit_shared_memory_with_a_float32_bias():
     """The heuristic's blocks are chosen for a bf16 bias; with a float32 one the mirrored dK/dV
     kernel at head dim 128 asked 241 KiB on 3 stages. Compiled for sm_90a, every kernel now fits
     Hopper's 227 KiB, causal and not, at head dims 64 and 128."""
-    rows = _compiled_rows("--masks", "both", "--feature", "bias", "--bias-dtype", "float32")
+    rows = _compiled_rows("--masks", "both", "--feature", "bias_f32")
     assert len(rows) == 12
     for row in rows:
         assert 0 < row["shared_bytes"] <= HOPPER_SHARED_BYTES, row

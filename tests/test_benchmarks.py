@@ -671,19 +671,6 @@ def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
     assert loop["fences"] >= 1 and loop["wgmma"] == 0
 
 
-def test_triton_sass_refuses_a_bias_dtype_without_a_bias():
-    env = child_env()
-    env.pop("TRITON_INTERPRET", None)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "triton_sass.py"), "--feature", "mask", "--bias-dtype", "float32"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert (
-        done.returncode == 2
-        and "--bias-dtype float32 needs --feature bias, not mask" in done.stderr
-    )
-
-
 @pytest.mark.slow
 def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
     """On the CPU only ``auto`` (the XLA kernel) runs; each feature's arrays must reach it, or its
@@ -758,13 +745,16 @@ def test_features_benchmark_names_a_malformed_block():
 
 
 def test_features_benchmark_takes_a_window_width_and_names_an_unknown_feature():
-    """``windowN`` is a window N keys wide on either side (``window``: a quarter of the sequence);
-    a feature it does not know is an error naming it."""
+    """``windowN`` is a window N keys wide on either side (``window``: a quarter of the sequence),
+    ``bias_f32`` a bias in float32; a feature it does not know is an error naming it."""
     features_gpu, attention = _benchmark_modules("features_gpu", "attention")
     case = attention.Case(1, 2048, 2, 2, 64, True)
     assert features_gpu.case_spec(case, "window").window == (512, 512)
     assert features_gpu.case_spec(case, "window100").window == (100, 100)
     assert features_gpu.case_spec(case, "none").window is None
+    assert features_gpu.case_spec(case, "bias_f32").has_bias
+    assert features_gpu.feature_arrays(case, "bias_f32")["bias"].dtype == jnp.float32
+    assert features_gpu.feature_arrays(case, "bias")["bias"].dtype == jnp.bfloat16
     for bad in ("window-3", "windows", "bias2"):
         with pytest.raises(ValueError, match=repr(bad)):
             features_gpu.case_spec(case, bad)

@@ -171,7 +171,7 @@ class _Call:
         """``stages``, fewer where the kernel's tiles would overflow Hopper's shared memory. Configs
         are chosen for 16-bit bias tiles (the dtype is not in the shape); with a float32 bias the
         mirrored dK/dV kernel at D = 128 took 241 KiB on 3 stages, 2.5 buffers of its bias tile
-        where Triton pipelines 2 (``triton_sass.py --bias-dtype float32``), so it counts one
+        where Triton pipelines 2 (``triton_sass.py --feature bias_f32``), so it counts one
         more."""
         extra = self.wide_bias_bytes if dkdv else 0
         limit = _SMEM_BYTES - (_DKDV_SCRATCH if dkdv else 0)
