@@ -163,9 +163,6 @@ class _Call:
     seq_q: int
     seq_k: int
     block_d: int
-    item: int  # bytes of a q element
-    tile_bytes: int  # bytes a score of the bias and mask tiles
-    wide_bias_bytes: int  # a bias's bytes a score where it is 4 or more, else 0
 
     def stages(self, kept: int, streamed: int, stages: int, resident: int, dkdv: bool) -> int:
         """``stages``, fewer where the kernel's tiles would overflow Hopper's shared memory. Configs
@@ -173,14 +170,15 @@ class _Call:
         mirrored dK/dV kernel at D = 128 took 241 KiB on 3 stages, 2.5 buffers of its bias tile
         where Triton pipelines 2 (``triton_sass.py --feature bias_f32``), so it counts one
         more."""
-        extra = self.wide_bias_bytes if dkdv else 0
-        limit = _SMEM_BYTES - (_DKDV_SCRATCH if dkdv else 0)
-        while (
-            stages > 1
-            and _smem_bytes(
-                self.item, self.block_d, resident, kept, streamed, stages, self.tile_bytes, extra
-            )
-            > limit
+        q, bias = self.inputs[0], self.inputs[3]
+        bias_bytes = np.dtype(bias.dtype).itemsize if self.meta["HAS_BIAS"] else 0
+        tile_bytes = bias_bytes + int(self.meta["HAS_MASK"])
+        extra, scratch = (bias_bytes if bias_bytes >= 4 else 0, _DKDV_SCRATCH) if dkdv else (0, 0)
+        item = np.dtype(q.dtype).itemsize
+        while stages > 1 and (
+            _smem_bytes(item, self.block_d, resident, kept, streamed, stages, tile_bytes, extra)
+            + scratch
+            > _SMEM_BYTES
         ):
             stages -= 1
         return stages
@@ -197,8 +195,6 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
     seq_k, kv_heads = k.shape[1], k.shape[2]
     full = (batch, heads, seq_q, seq_k)
     has_bias, has_mask, has_seg = bias is not None, mask is not None, q_seg is not None
-    bias_bytes = np.dtype(bias.dtype).itemsize if has_bias else 0
-    tile_bytes = bias_bytes + int(has_mask)
     dummy_f32 = jnp.zeros((1,), jnp.float32)
     if has_bias:
         sbb, sbh, sbm, sbn = _pairwise(bias, full, "bias")
@@ -261,9 +257,6 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         seq_q=seq_q,
         seq_k=seq_k,
         block_d=_block_d(head_dim),
-        item=np.dtype(q.dtype).itemsize,
-        tile_bytes=tile_bytes,
-        wide_bias_bytes=bias_bytes if bias_bytes >= 4 else 0,
     )
 
 
