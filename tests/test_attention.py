@@ -631,8 +631,9 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     key: jax.Array, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On Hopper, where the heuristic's first choice is cuDNN, it runs the Mosaic forward: with the
-    Mosaic backward for small calls, cuDNN's backward kernel for large ones; where that refuses,
-    cuDNN trains and the Mosaic forward infers; where Mosaic refuses, and on other GPUs, cuDNN."""
+    Mosaic backward for small calls and for any call at head dim 64, cuDNN's backward kernel for
+    large ones with wider heads; where that refuses, cuDNN trains and the Mosaic forward infers;
+    where Mosaic refuses, and on other GPUs, cuDNN."""
     from ejkfn.attention import _api, _pallas_mosaic
 
     refusal = _api._refusal
@@ -662,7 +663,11 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     small = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)  # 2**19 scores
     fp, bp = mosaic(small)
     assert heuristic(small) == AttentionConfig(platform="pallas", variant="mosaic", fwd=fp, bwd=bp)
-    large = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)  # 2**29 scores
+    narrow = jax.ShapeDtypeStruct((1, 16384, 2, 64), jnp.bfloat16)  # 2**29 scores
+    assert heuristic(narrow) == AttentionConfig(
+        platform="pallas", variant="mosaic", fwd=mosaic(narrow)[0], bwd=mosaic(narrow)[1]
+    )
+    large = jax.ShapeDtypeStruct((1, 16384, 2, 128), jnp.bfloat16)  # 2**29 scores
     fp_large, bp_large = mosaic(large)
     cfg = heuristic(large)
     assert (cfg.platform, cfg.variant, cfg.fwd) == ("pallas", "mosaic", fp_large)

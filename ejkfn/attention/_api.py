@@ -362,12 +362,15 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 # covers, from 4x512x16x64 to 1x4096x32x128 with 8 kv heads, the Mosaic pair read 1.06-2.07x
 # cuDNN's forward+backward on the H100 and 1.04-1.70x on the H200, and led cuDNN's backward kernel
 # on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above it training takes
-# that hybrid, which the tuner picks at most larger shapes (1x65536: 1.00-1.01x cuDNN, where the
-# Mosaic backward reads 0.92-0.98x). Where Mosaic cannot do the call, cuDNN trains and the Mosaic
-# forward infers if it can. Tuned and shipped configs decide per shape; this is the heuristic for
-# shapes they do not cover.
+# that hybrid, which the tuner picks at some larger shapes at head dim 128 (1x65536: 1.00-1.01x
+# cuDNN, where the Mosaic backward reads 0.92-0.98x). At head dim 64 the Mosaic backward trains at
+# any size: the tuner picked it at every shipped shape on both GPUs, and the hybrid read 0.93-0.97x
+# the Mosaic pair at four larger shapes it does not cover (fifty-second round). Where Mosaic cannot
+# do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and shipped configs
+# decide per shape; this is the heuristic for shapes they do not cover.
 _MOSAIC = ("pallas", "mosaic")
 _OWN_BACKWARD_SCORES = 2**28
+_OWN_BACKWARD_HEAD_DIM = 64
 
 
 def _hopper_cfg(
@@ -382,7 +385,8 @@ def _hopper_cfg(
         return None
     fwd, own = mosaic.heuristic(shape)
     scores = shape.batch * shape.kv_heads * shape.seq_q * shape.seq_k
-    bwd = own if scores <= _OWN_BACKWARD_SCORES else BwdParams(variant=_backend.CUDNN_BWD)
+    narrow = shape.head_dim <= _OWN_BACKWARD_HEAD_DIM
+    bwd = own if narrow or scores <= _OWN_BACKWARD_SCORES else BwdParams(variant=_backend.CUDNN_BWD)
     if _refusal(mosaic, shape, args, kwargs, (fwd, bwd)) is None:
         return _config(mosaic, (fwd, bwd))
     if bwd != own and _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
