@@ -672,6 +672,14 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     cfg = heuristic(large)
     assert (cfg.platform, cfg.variant, cfg.fwd) == ("pallas", "mosaic", fp_large)
     assert cfg.bwd == BwdParams(variant=_pallas_mosaic.CUDNN_BWD)
+    # An H200 trains on the Mosaic backward up to 2**33 scores at every head dim.
+    assert (_api._own_backward_scores("NVIDIA H200"), _api._own_backward_scores("NVIDIA H100")) == (
+        2**33,
+        2**28,
+    )
+    monkeypatch.setattr(_api, "_own_backward_scores", lambda gpu: 2**33)
+    assert heuristic(large).bwd == bp_large
+    monkeypatch.setattr(_api, "_own_backward_scores", lambda gpu: 2**28)
     hybrid_runs[0] = False
     fallback = heuristic(large)
     assert (fallback.platform, fallback.variant) == ("cudnn", "cudnn")

@@ -358,19 +358,28 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 
 # On a Hopper GPU, where ``auto``'s first choice is cuDNN, its heuristic runs the Mosaic forward
 # (1.01-1.33x cuDNN's at every shape of the H100 and H200 tables). Training takes the Mosaic
-# backward up to ``_OWN_BACKWARD_SCORES`` scores (B * KVH * Sq * Sk): at six shapes no shipped config
-# covers, from 4x512x16x64 to 1x4096x32x128 with 8 kv heads, the Mosaic pair read 1.06-2.07x
-# cuDNN's forward+backward on the H100 and 1.04-1.70x on the H200, and led cuDNN's backward kernel
-# on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above it training takes
-# that hybrid, which the tuner picks at some larger shapes at head dim 128 (1x65536: 1.00-1.01x
-# cuDNN, where the Mosaic backward reads 0.92-0.98x). At head dim 64 the Mosaic backward trains at
-# any size: the tuner picked it at every shipped shape on both GPUs, and the hybrid read 0.93-0.97x
-# the Mosaic pair at four larger shapes it does not cover (fifty-second round). Where Mosaic cannot
-# do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and shipped configs
-# decide per shape; this is the heuristic for shapes they do not cover.
+# backward up to ``_own_backward_scores`` scores (B * KVH * Sq * Sk): at six shapes no shipped
+# config covers, from 4x512x16x64 to 1x4096x32x128 with 8 kv heads, the Mosaic pair read
+# 1.06-2.07x cuDNN's forward+backward on the H100 and 1.04-1.70x on the H200, and led cuDNN's
+# backward kernel on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above
+# it training takes that hybrid (1x65536x16x128: 1.00-1.01x cuDNN, where the Mosaic backward reads
+# 0.92-0.98x). Of the ten shipped shapes above 2^28 scores at head dim 128, the H100's tunes
+# picked the hybrid (by over 3%) at five; the H200's at one (2^34, 1x32768 causal), and at five
+# unshipped shapes of 2^31-2^32 the H200 ran the Mosaic pair 0.6-3.1% ahead of the hybrid at four
+# (1.3% behind at 1x16384x32x128 causal with 8 kv heads; fifty-second round). At head dim 64 the
+# Mosaic backward trains at any size: the tuner picked it at every shipped shape on both GPUs,
+# and the hybrid read 0.93-0.97x the Mosaic pair at four larger unshipped shapes on the H200. Where
+# Mosaic cannot do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and
+# shipped configs decide per shape; this is the heuristic for shapes they do not cover.
 _MOSAIC = ("pallas", "mosaic")
-_OWN_BACKWARD_SCORES = 2**28
 _OWN_BACKWARD_HEAD_DIM = 64
+
+
+def _own_backward_scores(gpu: str) -> int:
+    """The most scores a call at a head dim over ``_OWN_BACKWARD_HEAD_DIM`` trains on the Mosaic
+    backward in ``auto``'s Hopper heuristic on the GPU named ``gpu`` (a ``jax.Device``'s
+    ``device_kind``): 2^33 on an H200, 2^28 on other Hopper GPUs."""
+    return 2**33 if "H200" in gpu else 2**28
 
 
 def _hopper_cfg(
@@ -385,8 +394,11 @@ def _hopper_cfg(
         return None
     fwd, own = mosaic.heuristic(shape)
     scores = shape.batch * shape.kv_heads * shape.seq_q * shape.seq_k
-    narrow = shape.head_dim <= _OWN_BACKWARD_HEAD_DIM
-    bwd = own if narrow or scores <= _OWN_BACKWARD_SCORES else BwdParams(variant=_backend.CUDNN_BWD)
+    gpu = str(jax.devices()[0].device_kind)
+    if shape.head_dim <= _OWN_BACKWARD_HEAD_DIM or scores <= _own_backward_scores(gpu):
+        bwd = own
+    else:
+        bwd = BwdParams(variant=_backend.CUDNN_BWD)
     if _refusal(mosaic, shape, args, kwargs, (fwd, bwd)) is None:
         return _config(mosaic, (fwd, bwd))
     if bwd != own and _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
