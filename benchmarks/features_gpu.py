@@ -46,6 +46,7 @@ from attention import (
 import ejkfn
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention._backend import CUDNN_BWD
 from ejkfn.attention._reference import reference_attention
 
 # "none" is the call without a feature, to see what each one costs.
@@ -194,8 +195,9 @@ def jitted(
 
 
 def auto_pick(case: Case, feature: str) -> str:
-    """The backends ``auto``'s heuristic runs for this call: ``platform/variant`` for training,
-    and the one for inference after a ``+`` where it differs."""
+    """The backends ``auto``'s heuristic runs for this call: ``platform/variant`` for training
+    (saying where its backward is cuDNN's kernel), and the one for inference after a ``+`` where
+    it differs."""
     spec = case_spec(case, feature)
     q, k, v, _ = inputs(dataclasses.replace(case, batch=1), 0)
     cfg, _ = ejkfn.choose_config(
@@ -207,6 +209,8 @@ def auto_pick(case: Case, feature: str) -> str:
         **static_options(spec),
     )  # fmt: skip
     name = f"{cfg.platform}/{cfg.variant}"
+    if cfg.platform != "cudnn" and cfg.bwd.variant == CUDNN_BWD:
+        name += " (cuDNN's backward kernel)"
     if cfg.inference is not None and cfg.inference != cfg:
         name += f" + {cfg.inference.platform}/{cfg.inference.variant}"
     return name
