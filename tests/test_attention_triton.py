@@ -186,7 +186,7 @@ FEATURES = {
     "soft_cap": dict(soft_cap=2.0),
     "soft_cap_bias_causal": dict(soft_cap=3.0, bias_shape=(2, 2, 64, 64), causal=True),
     "dropout_low": dict(dropout=0.1),  # threshold below 2**31
-    "dropout_tiny": dict(dropout=1e-12, seq_q=32, seq_k=32, batch=1),  # threshold rounds to 0
+    "dropout_finest": dict(dropout=2**-16, seq_q=32, seq_k=32, batch=1),  # the lowest threshold
     "dropout_high_causal_gqa": dict(dropout=0.6, causal=True, heads=4, kv_heads=2),
     "scale": dict(scale_factor=3.0),
     "scale_negative": dict(scale_factor=-30.0),  # max of raw products is the min; exp2 overflows

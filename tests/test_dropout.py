@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ejkfn.attention._dropout import keep_mask, keep_tile, threshold
+from ejkfn.attention import AttentionSpec
+from ejkfn.attention._dropout import MIN_RATE, keep_mask, keep_scale, keep_tile, threshold
 
 HEADS, SEQ = 2, 256
 
@@ -30,6 +31,20 @@ def _correlation(a: np.ndarray, b: np.ndarray) -> float:
 def test_keeps_one_minus_p(p: float) -> None:
     # 131072 decisions: the rate's standard deviation is at most 0.0014.
     assert abs(_keep(7, p).mean() - (1.0 - p)) < 0.008
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 2**-16])
+def test_kept_weights_are_scaled_by_the_rate_the_hash_keeps(p: float) -> None:
+    kept = 1.0 - (threshold(p) >> 16) / 2**16  # at p = 0.1: 1 - 6553 / 65536, not exactly 0.9
+    assert keep_scale(p) * kept == pytest.approx(1.0, rel=1e-15)
+    assert keep_scale(0.5) == 2.0
+
+
+@pytest.mark.parametrize("p", [1e-6, 2**-17, MIN_RATE * 0.999])
+def test_a_rate_too_fine_to_drop_anything_is_refused(p: float) -> None:
+    with pytest.raises(ValueError, match=rf"dropout_prob={p!r} is below 2\^-16"):
+        AttentionSpec(scale=1.0, dropout_prob=p)
+    AttentionSpec(scale=1.0, dropout_prob=MIN_RATE)  # the finest rate it resolves
 
 
 def test_threshold_rounds_p_down_to_sixteen_bits_and_saturates() -> None:

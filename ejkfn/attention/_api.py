@@ -827,8 +827,9 @@ def flash_attention(
             ``[p - left, p + right]``; an int ``w`` means ``(w, w)`` (as in
             ``jax.nn.dot_product_attention``'s ``local_window_size``).
         logits_soft_cap: ``cap > 0``: scores become ``cap * tanh(s / cap)``.
-        dropout_prob: probability of dropping an attention weight; kept weights are scaled by
-            ``1 / (1 - p)``. Needs ``dropout_seed``.
+        dropout_prob: probability of dropping an attention weight, 0 or in ``[2^-16, 1)``
+            (rounded down to a multiple of 2^-16); kept weights are scaled by one over the rate
+            kept. Needs ``dropout_seed``.
         dropout_seed: integer scalar; the same seed drops the same weights on every platform (a
             counter-based hash, recomputed in the backward pass).
         platform: ``"auto"`` (selection chooses per device and shape) or ``"xla"``, ``"pallas"``,

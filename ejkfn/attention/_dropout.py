@@ -6,23 +6,27 @@ identical across platforms (and can be recomputed in the backward pass instead o
 Each hash decides two neighbouring columns: ``bits = mix32((((b * H + h) * Sq + i) * 0x9E3779B1
 + j // 2) ^ mix32(seed))`` (all arithmetic mod 2^32), whose low 16 bits are column ``2 (j // 2)``'s
 and high 16 bits column ``2 (j // 2) + 1``'s; a weight is kept when its 16 bits, moved to the top,
-are ``>= threshold(p) = floor(p * 2^16) * 2^16`` (so ``p`` is rounded down to a multiple of 2^-16:
-under 1.6e-5 off). The seed is mixed once a call and each pair of scores once: the portable kernels
-run this integer work beside the tensor cores' products, and two mixes a score made dropout cost
-them half their speed. The pairs are neighbours along the keys, which each thread of a Hopper
-wgmma accumulator holds side by side, so a kernel's ``[queries, keys]`` tile interleaves them
-without moving data; a ``[keys, queries]`` tile computes each column's hash itself. Two seeds give
-masks that are one permutation of positions apart, so the same position's decisions under two
-seeds are as independent as two positions' (``tests/test_dropout.py`` measures both).
+are ``>= threshold(p) = floor(p * 2^16) * 2^16``: the hash drops at ``p`` rounded down to a
+multiple of 2^-16 (under 1.6e-5 off), and kept weights are scaled by one over the rate it keeps
+(``keep_scale``), so each weight's expectation is exact. A rate under 2^-16 (``MIN_RATE``) would
+drop nothing; the spec refuses it. The seed is mixed once a call and each pair of scores once:
+the portable kernels run this integer work beside the tensor cores' products, and two mixes a score
+made dropout cost them half their speed. The pairs are neighbours along the keys, which each thread
+of a Hopper wgmma accumulator holds side by side, so a kernel's ``[queries, keys]`` tile
+interleaves them without moving data; a ``[keys, queries]`` tile computes each column's hash
+itself. Two seeds give masks that are one permutation of positions apart, so the same position's
+decisions under two seeds are as independent as two positions' (``tests/test_dropout.py`` measures
+both).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["GOLDEN", "keep_mask", "keep_tile", "mix32", "threshold"]
+__all__ = ["GOLDEN", "MIN_RATE", "keep_mask", "keep_scale", "keep_tile", "mix32", "threshold"]
 
 GOLDEN = 0x9E3779B1
+MIN_RATE = 2.0**-16  # the finest dropout rate a decision's 16 bits resolve
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B
 
@@ -41,6 +45,12 @@ def mix32(x: jnp.ndarray) -> jnp.ndarray:
 def threshold(p: float) -> int:
     """The uint32 threshold below which a weight's 16 bits (in the top half) drop it."""
     return min(int(p * 65536.0), 65535) << 16
+
+
+def keep_scale(p: float) -> float:
+    """What a kept weight is scaled by at dropout rate ``p``: one over the probability the hash
+    keeps it, ``1 - floor(p * 2^16) / 2^16``, not ``1 - p`` (up to 1.6e-5 apart)."""
+    return 65536.0 / (65536 - (threshold(p) >> 16))
 
 
 def _row(b: jnp.ndarray, h: jnp.ndarray, i: jnp.ndarray, heads: int, seq_q: int) -> jnp.ndarray:

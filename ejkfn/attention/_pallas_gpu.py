@@ -43,7 +43,7 @@ from ._backend import (
     segment_spans,
     shrink_to_fit,
 )
-from ._dropout import keep_mask, keep_tile
+from ._dropout import keep_mask, keep_scale, keep_tile
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
@@ -418,7 +418,7 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
     q = r.q[...]
     qseg = r.qseg[...] if r.qseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
-    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+    inv_keep = keep_scale(g.spec.dropout_prob)
     # No bias or cap and a positive scale: the row max of the raw products, scaled once, is the
     # max of the logits, and the scale folds into the exponent's fused multiply-add.
     raw_max = g.spec.soft_cap is None and r.bias is None and g.spec.scale > 0
@@ -478,7 +478,7 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
     v = r.v[...]
     kseg = r.kseg[...][:, None] if r.kseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
-    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+    inv_keep = keep_scale(g.spec.dropout_prob)
     bounds = _q_range(g, k0, bq, bk)
     if r.kspan is not None:
         bounds = _segment_blocks(bounds, r.kspan, bq)
@@ -549,7 +549,7 @@ def _dq_kernel(*refs: Any, g: _Geom) -> None:
     delta_ref[...] = delta
     qseg = r.qseg[...] if r.qseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
-    inv_keep = 1.0 / (1.0 - g.spec.dropout_prob)
+    inv_keep = keep_scale(g.spec.dropout_prob)
 
     def body(kb: Any, dq: Any, masked: bool) -> Any:
         k0 = pl.multiple_of(kb * bk, bk)

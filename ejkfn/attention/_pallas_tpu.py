@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._registry import BwdParams, FwdParams
 from ._backend import AttentionBackend, AttentionShape, register_backend, segment_spans
-from ._dropout import keep_mask
+from ._dropout import keep_mask, keep_scale
 from ._pallas_gpu import _Geom, _kv_range, _q_range, _Refs, _segment_blocks
 from ._spec import AttentionSpec
 
@@ -235,7 +235,7 @@ def _fwd_kernel(*refs: Any, g: _Geom) -> None:
         l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         if r.seed is not None:
             keep = _keep(g, r.seed[0], b, h, rows, cols)
-            p = jnp.where(keep, p * (1.0 / (1.0 - g.spec.dropout_prob)), 0.0)
+            p = jnp.where(keep, p * keep_scale(g.spec.dropout_prob), 0.0)
         acc_sc[...] = acc_sc[...] * alpha + _dot(g, p.astype(v.dtype), v, (1, 0))
         m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
         l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
@@ -279,7 +279,7 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
         pd = p
         if r.seed is not None:
             keep = _keep(g, r.seed[0], b, h, rows, cols)
-            inv = 1.0 / (1.0 - g.spec.dropout_prob)
+            inv = keep_scale(g.spec.dropout_prob)
             pd = jnp.where(keep, p * inv, 0.0)
             dp = jnp.where(keep, dp * inv, 0.0)
         dv_sc[...] += _dot(g, pd.astype(do.dtype), do, (0, 0))
@@ -322,7 +322,7 @@ def _dq_kernel(*refs: Any, g: _Geom, want_dbias: bool) -> None:
         dp = _dot(g, do, v, (1, 1))
         if r.seed is not None:
             keep = _keep(g, r.seed[0], b, h, rows, cols)
-            dp = jnp.where(keep, dp * (1.0 / (1.0 - g.spec.dropout_prob)), 0.0)
+            dp = jnp.where(keep, dp * keep_scale(g.spec.dropout_prob), 0.0)
         ds = p * (dp - r.delta[:, 0:1])
         if dbias_ref is not None:
             dbias_ref[...] = ds

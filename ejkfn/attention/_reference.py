@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._dropout import keep_mask
+from ._dropout import keep_mask, keep_scale
 from ._spec import AttentionSpec
 
 __all__ = ["visible", "reference_attention"]
@@ -81,6 +81,6 @@ def reference_attention(
         i = jnp.arange(seq_q)[None, None, :, None]
         j = jnp.arange(seq_k)[None, None, None, :]
         keep = keep_mask(seed, b, h, i, j, heads, seq_q, spec.dropout_prob)
-        p = jnp.where(keep, p / (1.0 - spec.dropout_prob), 0.0)
+        p = jnp.where(keep, p * keep_scale(spec.dropout_prob), 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, vf)
     return out, lse

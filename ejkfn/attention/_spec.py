@@ -10,8 +10,9 @@ Semantics (identical on every platform, so each is tested against one reference)
   a window ``(left, right)`` -> ``p - left <= j <= p + right``; segment ids -> ``q_seg[i] == kv_seg[j]``;
   ``attention_mask[..., i, j]`` is true.
 - A row with no visible key outputs zeros, and its log-sum-exp is ``-inf``.
-- Dropout keeps probability ``1 - p`` with the counter-based hash of :mod:`._dropout`, scales kept
-  weights by ``1 / (1 - p)``, and is applied to the softmax weights (the log-sum-exp is unaffected).
+- Dropout drops at ``p`` rounded down to a multiple of 2^-16 with the counter-based hash of
+  :mod:`._dropout`, scales kept weights by one over the rate it keeps (``keep_scale``), and is
+  applied to the softmax weights (the log-sum-exp is unaffected).
 - GQA: query head ``h`` uses key/value head ``h // (heads // kv_heads)``.
 
 Backend contract (each ``_<platform>.py`` module):
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+from ._dropout import MIN_RATE
 
 __all__ = ["AttentionSpec"]
 
@@ -57,6 +60,12 @@ class AttentionSpec:
             raise ValueError(f"logits_soft_cap must be > 0; got {self.soft_cap!r}")
         if not 0.0 <= self.dropout_prob < 1.0:
             raise ValueError(f"dropout_prob must be in [0, 1); got {self.dropout_prob!r}")
+        if 0.0 < self.dropout_prob < MIN_RATE:
+            raise ValueError(
+                f"dropout_prob={self.dropout_prob!r} is below 2^-16 ({MIN_RATE:.4g}), the finest "
+                "rate dropout's 16-bit decisions resolve, and would drop nothing; pass 0.0 or a "
+                "rate of at least 2^-16"
+            )
 
     @property
     def features(self) -> frozenset[str]:

@@ -46,7 +46,7 @@ from ._backend import (
     segment_spans,
     shrink_to_fit,
 )
-from ._dropout import threshold
+from ._dropout import keep_scale, threshold
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
@@ -244,7 +244,7 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         HAS_MASK=has_mask,
         HAS_SEG=has_seg,
         DROP_THRESH=threshold(spec.dropout_prob) if spec.dropout_prob > 0.0 else 0,
-        DROP_SCALE=1.0 / (1.0 - spec.dropout_prob),
+        DROP_SCALE=keep_scale(spec.dropout_prob),
         SPLIT=spec.window is None and not has_mask and not has_seg,
         DOT_PRECISION="ieee" if np.dtype(q.dtype) == np.float32 else "tf32",
     )  # fmt: skip

@@ -346,7 +346,7 @@ def _fwd_inner(
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
+        if DROP_SCALE != 1.0:  # dropout on
             p = tl.where(
                 _keep_tile(drop_key, b, h, rows, n0, BLOCK_K, HEADS, SEQ_Q, DROP_THRESH), p, 0.0
             )
@@ -545,7 +545,7 @@ def _dkdv_inner(
         p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
+        if DROP_SCALE != 1.0:  # dropout on
             keep = _keep(drop_key, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
             dv += tl.dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
             dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
@@ -675,7 +675,7 @@ def bwd_dkdv_kernel(
             WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
             DOT_PRECISION, BLOCK_Q, BLOCK_D,
         )  # fmt: skip
-    if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
+    if DROP_SCALE != 1.0:  # dropout on
         dv = dv * DROP_SCALE
     dk = dk * SCALE
     dk_ptrs = DK + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :]
@@ -743,7 +743,7 @@ def _dq_inner(
         )  # fmt: skip
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        if DROP_SCALE != 1.0:  # dropout on (its threshold may round to 0: keep all)
+        if DROP_SCALE != 1.0:  # dropout on
             keep = _keep_tile(drop_key, b, h, rows, n0, BLOCK_K, HEADS, SEQ_Q, DROP_THRESH)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])

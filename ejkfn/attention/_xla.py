@@ -27,7 +27,7 @@ from jax import lax
 
 from .._registry import BwdParams, FwdParams
 from ._backend import AttentionBackend, AttentionShape, register_backend
-from ._dropout import keep_mask
+from ._dropout import keep_mask, keep_scale
 from ._spec import AttentionSpec
 
 __all__ = ["CHUNKED", "DENSE", "preferred_variant"]
@@ -178,7 +178,7 @@ def _dense_fwd(
     p = p / jnp.where(den > 0, den, 1.0)
     if spec.dropout_prob > 0.0:
         keep = _keep(seed, spec, batch, heads, kv_heads, seq_q, rows, cols)
-        p = jnp.where(keep, p * (1.0 / (1.0 - spec.dropout_prob)), 0.0)
+        p = jnp.where(keep, p * keep_scale(spec.dropout_prob), 0.0)
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(acc))
     return out.reshape(q.shape).astype(q.dtype), lse.reshape(batch, heads, seq_q)
 
@@ -216,7 +216,7 @@ def _dense_bwd(
     pd = p
     if spec.dropout_prob > 0.0:
         keep = _keep(seed, spec, batch, heads, kv_heads, seq_q, rows, cols)
-        inv = 1.0 / (1.0 - spec.dropout_prob)
+        inv = keep_scale(spec.dropout_prob)
         pd = jnp.where(keep, p * inv, 0.0)
         dp = jnp.where(keep, dp * inv, 0.0)
     dv = jnp.einsum("bkgqs,bqkgd->bskd", pd, dog)
@@ -326,7 +326,7 @@ def _chunked_fwd(
     maskp = _pad(_pad(mask, 2, sqp), 3, skp, False)
     qsegp, kvsegp = _pad(q_seg, 1, sqp), _pad(kv_seg, 1, skp)
     drop = spec.dropout_prob > 0.0
-    inv_keep = 1.0 / (1.0 - spec.dropout_prob)
+    inv_keep = keep_scale(spec.dropout_prob)
 
     def q_block(i: jax.Array) -> tuple[jax.Array, jax.Array]:
         r0 = i * bq
@@ -407,7 +407,7 @@ def _chunked_bwd(
     maskp = _pad(_pad(mask, 2, sqp), 3, skp, False)
     qsegp, kvsegp = _pad(q_seg, 1, sqp), _pad(kv_seg, 1, skp)
     drop = spec.dropout_prob > 0.0
-    inv_keep = 1.0 / (1.0 - spec.dropout_prob)
+    inv_keep = keep_scale(spec.dropout_prob)
     scale = jnp.asarray(spec.scale, acc)
 
     def kv_block(carry: Any, j: jax.Array) -> Any:
