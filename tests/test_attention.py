@@ -556,6 +556,21 @@ def test_cudnn_refuses_what_it_cannot_do(
         )
 
 
+def test_cudnn_refuses_a_bias_it_would_round(
+    key: jax.Array, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN adds the bias in the inputs' dtype: a float32 one is refused, not rounded to 16 bits
+    (the spec adds it in float32); one in the inputs' dtype runs."""
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)  # get past the device check
+    case = Case(dtype="bfloat16", bias="full")
+    x = _inputs(case, key)
+    fwd = functools.partial(_cudnn.CUDNN.fwd, spec=case.spec, params=FwdParams(), interpret=False)
+    wide = x["bias"].astype(jnp.float32)
+    with pytest.raises(NotImplementedError, match=r"bias.astype\('bfloat16'\)"):
+        jax.eval_shape(fwd, x["q"], x["k"], x["v"], wide, None, None, None, None)
+    _cudnn._check(x["q"], x["k"], case.spec, interpret=False, bias=x["bias"])
+
+
 def test_cudnn_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forward and backward lower for "cuda" on this machine: a compile check without a GPU.
 
@@ -712,6 +727,8 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (128, True, "mask", _TRI, _TRI),
         (64, True, "bias", _PT, _PT),
         (64, False, "bias", _PT, _TRI),
+        (64, True, "bias_f32", _PT, _TRI),  # a float32 bias infers on Triton at D = 64 causal
+        (128, False, "bias_f32", _TRI, _TRI),
         (128, True, "bias", _PT, _TRI),
         (128, False, "bias", _TRI, _TRI),
         (64, True, "dropout", _TRI, _TRI),
@@ -742,12 +759,20 @@ def test_auto_on_hopper_orders_backends_by_feature(
     monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas", "triton"))
 
     def on_cuda(backend, shape, args, kwargs, params):
-        # cuDNN's and Triton's kernels cannot trace off a CUDA GPU: their feature checks stand.
-        if backend.platform in ("cudnn", "triton"):
+        # cuDNN's and Triton's kernels cannot trace off a CUDA GPU: their checks stand.
+        if backend.platform == "cudnn":
+            q, k, _, bias = (None if x is None else jnp.zeros(x.shape, x.dtype) for x in args[:4])
+            try:
+                _cudnn._check(q, k, shape.spec, interpret=False, bias=bias)
+            except NotImplementedError as refused:
+                return str(refused)
+            return None
+        if backend.platform == "triton":
             features = shape.spec.features & backend.unsupported
             return f"refuses {sorted(features)}" if features else None
         return refusal(backend, shape, args, kwargs, params)
 
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
     monkeypatch.setattr(_api, "_refusal", on_cuda)
     x = jax.ShapeDtypeStruct((1, 256, 4, dim), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, 256), jnp.int32)
@@ -756,6 +781,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "segments": dict(q_segment_ids=ids, kv_segment_ids=ids),
         "mask": dict(attention_mask=jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bool_)),
         "bias": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.bfloat16)),
+        "bias_f32": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32)),
         "dropout": dict(dropout_prob=0.1, dropout_seed=jax.ShapeDtypeStruct((), jnp.uint32)),
         "window": dict(sliding_window=64),
         "wide_window": dict(sliding_window=(2048, 0)),
@@ -770,7 +796,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
     assert (infers.platform, infers.variant) == inference
     monkeypatch.setattr(_api, "_is_hopper", lambda: False)
     elsewhere = kernel.heuristic_cfg(inv)
-    refused = {"dropout", "soft_cap", "segments"} & set(feature.split("+"))  # by cuDNN
+    refused = {"dropout", "soft_cap", "segments", "bias_f32"} & set(feature.split("+"))  # by cuDNN
     assert elsewhere.platform == ("pallas" if refused else "cudnn")
 
 

@@ -425,7 +425,9 @@ def _hopper_cfg(
 # - a bias: to train, Pallas-Triton causal or at D = 64 (Triton 0.82-0.96x, cuDNN 0.67-0.97x),
 #   Triton otherwise (Pallas-Triton 0.88-0.99x); to infer, Pallas-Triton at D = 64 causal, Triton
 #   otherwise (above 64 causal, on its 128 x 64 forward: Pallas-Triton 0.71-0.74x, cuDNN
-#   0.81-0.84x; without a mask 0.99-1.00x);
+#   0.81-0.84x; without a mask 0.99-1.00x). A float32 bias beside 16-bit inputs infers on Triton
+#   at D = 64 causal too (Pallas-Triton 0.89-0.92x at 8x2048x32x64 in two runs, fifty-second
+#   round); cuDNN refuses it (it would round it to 16 bits);
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window at D = 64 that spans at most _NARROW_WINDOW keys besides the diagonal: Pallas-Triton
@@ -441,9 +443,11 @@ _CUDNN = ("cudnn", "cudnn")
 _NARROW_WINDOW = 1024
 
 
-def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str, str]] | None:
-    """(training, inference) backends ``auto`` takes first on Hopper for this call; None: the
-    default order."""
+def _feature_backends(
+    shape: AttentionShape, wide_bias: bool = False
+) -> tuple[tuple[str, str], tuple[str, str]] | None:
+    """(training, inference) backends ``auto`` takes first on Hopper for this call, whose bias (if
+    any) is ``wide_bias``: in a wider dtype than the inputs; None: the default order."""
     spec, wide = shape.spec, shape.head_dim > 64
     if spec.soft_cap is not None:
         return _TRITON, _TRITON
@@ -457,7 +461,8 @@ def _feature_backends(shape: AttentionShape) -> tuple[tuple[str, str], tuple[str
         )
     if spec.has_bias:
         training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
-        return training, (_PALLAS_TRITON if spec.causal and not wide else _TRITON)
+        narrow_causal = spec.causal and not wide and not wide_bias
+        return training, (_PALLAS_TRITON if narrow_causal else _TRITON)
     if spec.dropout_prob > 0.0:
         return _TRITON, _TRITON
     if spec.window is not None and not wide:
@@ -472,7 +477,9 @@ def _feature_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
     None where no preference applies or the preferred backends cannot do the call."""
-    pairs = _feature_backends(shape)
+    bias = args[3]
+    wide_bias = bias is not None and np.dtype(bias.dtype).itemsize > np.dtype(shape.dtype).itemsize
+    pairs = _feature_backends(shape, wide_bias)
     if pairs is None or not _is_hopper():
         return None
     cfgs = []

@@ -1,11 +1,13 @@
 """cuDNN attention through ``jax.nn.dot_product_attention(..., implementation="cudnn")``.
 
-What jax's cuDNN path cannot express is refused with ``NotImplementedError`` at trace time: soft cap and
-dropout (cuDNN's dropout uses its own generator, not the shared hash), segment ids (cuDNN wants packed
-offsets; a dense mask built from them would defeat the point), float32/float64 inputs, head dims over 256,
-causal or window masks with ``seq_q != seq_k`` (cuDNN aligns them top-left, the spec bottom-right), and
-windows that look right of the diagonal without ``causal``. Head dims that are not multiples of 8 are
-zero-padded here (the padding changes neither scores nor outputs).
+What jax's cuDNN path cannot express is refused with ``NotImplementedError`` at trace time: soft cap
+and dropout (cuDNN's dropout uses its own generator, not the shared hash), segment ids (cuDNN wants
+packed offsets; a dense mask built from them would defeat the point), float32/float64 inputs, a bias
+in another dtype than the inputs' (cuDNN adds it in theirs: a float32 bias would be rounded to 16
+bits, where the spec adds it in float32), head dims over 256, causal or window masks with ``seq_q !=
+seq_k`` (cuDNN aligns them top-left, the spec bottom-right), and windows that look right of the
+diagonal without ``causal``. Head dims that are not multiples of 8 are zero-padded here (the padding
+changes neither scores nor outputs).
 
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
 only as precise as bfloat16/float16). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
@@ -40,8 +42,17 @@ def available() -> bool:
     return _on_cuda()
 
 
-def _check(q: jax.Array, k: jax.Array, spec: AttentionSpec, interpret: bool) -> None:
+def _check(
+    q: jax.Array, k: jax.Array, spec: AttentionSpec, interpret: bool, bias: Any = None
+) -> None:
     CUDNN.check(spec)
+    if bias is not None and np.dtype(bias.dtype) != np.dtype(q.dtype):
+        dtype = np.dtype(q.dtype).name
+        raise NotImplementedError(
+            f"platform 'cudnn' adds the bias in the inputs' dtype ({dtype}), which would round "
+            f"a {np.dtype(bias.dtype).name} bias; cast it with bias.astype({dtype!r}) to run on "
+            "cuDNN, or take another platform, which adds it in float32"
+        )
     if interpret or not _on_cuda():
         raise NotImplementedError(
             "platform 'cudnn' needs a CUDA GPU (cuDNN fused attention has no CPU or interpreter "
@@ -101,7 +112,7 @@ def _attention(
         q,
         k,
         v,
-        bias=None if bias is None else bias.astype(q.dtype),
+        bias=bias,
         mask=mask,
         scale=spec.scale,
         is_causal=causal,
@@ -134,7 +145,7 @@ def _fwd(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     del q_seg, kv_seg, seed, params
-    _check(q, k, spec, interpret)
+    _check(q, k, spec, interpret, bias)
     return _attention(q, k, v, bias, mask, spec=spec)
 
 
@@ -156,7 +167,7 @@ def _bwd(
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     del q_seg, kv_seg, seed, out, lse, params
-    _check(q, k, spec, interpret)
+    _check(q, k, spec, interpret, bias)
 
     def forward(*xs: Any) -> jax.Array:
         b = xs[3] if bias is not None else None
