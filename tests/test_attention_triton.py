@@ -385,6 +385,25 @@ def _launched_stages(monkeypatch, bias_dtype, mask: bool) -> dict[str, int]:
     return stages
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_the_tuner_tries_small_blocks_in_float32_only(dim):
+    """float32 products are FMAs with their operands in registers: the tuner also tries blocks
+    that compile without spills there, and nothing more in 16 bits."""
+    spec = AttentionSpec(scale=0.1, causal=True)
+    small_fwd = FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=2)
+    small_bwd = BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=2)
+
+    def tried(dtype):
+        x = jax.ShapeDtypeStruct((4, 4096, 16, dim), dtype)
+        cands = tri.candidates(AttentionShape.of(x, x, spec))
+        return {f for f, _ in cands}, {b for _, b in cands}
+
+    fwds, bwds = tried(jnp.float32)
+    assert small_fwd in fwds and small_bwd in bwds
+    fwds, bwds = tried(jnp.bfloat16)
+    assert small_fwd not in fwds and small_bwd not in bwds
+
+
 @pytest.mark.parametrize(
     ("bias_dtype", "mask", "fwd", "dq", "dkdv"),
     [

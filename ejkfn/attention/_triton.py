@@ -488,8 +488,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     """Configs for the tuner: forward variants with the heuristic backward, then backward variants
     with the heuristic forward (among them the heuristic's backward with its dQ kernel on fewer
-    stages, where ptxas serialized its wgmmas with a bias or a mask), leaving out those that
-    cannot fit or are larger than needed."""
+    stages, where ptxas serialized its wgmmas with a bias or a mask, and in float32 small blocks
+    that do not spill), leaving out those that cannot fit or are larger than needed."""
     heur_f, heur_b = heuristic(shape)
     fwds = [
         FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s)
@@ -512,6 +512,16 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for s in (3, 4)
     ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
+    if shape.dtype == "float32":
+        # float32 products run as FMAs on the CUDA cores, their operands in registers: the blocks
+        # above spill (the heuristic's dK/dV kernel 91140 bytes a thread at D = 128), these do not
+        # at D = 64 or 128 (triton_sass.py --dtype float32; NOTES.md, fifty-second round).
+        fwds += [
+            FwdParams(q_blocksize=32, kv_blocksize=bk, num_warps=4, num_stages=2) for bk in (32, 64)
+        ]
+        bwds += [
+            BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
+        ]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
     out += [(heur_f, b) for b in bwds if b != heur_b and _fits(shape, b, backward=True)]
