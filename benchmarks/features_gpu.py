@@ -7,7 +7,7 @@ shape, mask and feature this
 
 1. checks the forward and the gradients of q, k and v of every ejkfn backend that takes the feature
    (its heuristic config) and of ``platform="auto"`` against the float32 reference with the same
-   feature, at batch 1 and at most ``CHECK_SEQ`` positions (bf16 relative error under 2e-2; NaN
+   feature, at batch 1 and at most ``CHECK_SEQ`` positions (relative error under 2e-2; NaN
    never passes); one that fails is not timed;
 2. times them interleaved at the full shape (:func:`attention.check_then_time`), forward+backward
    (``--passes fwd,bwd`` adds the forward);
@@ -16,7 +16,10 @@ shape, mask and feature this
    ``auto`` picks; saves the rows under ``--out``.
 
     python3 benchmarks/features_gpu.py [--shapes 8x2048x32x64,4x4096x16x128] [--masks causal]
-        [--features segments,dropout,...] [--passes bwd] [--out DIR]
+        [--features segments,dropout,...] [--passes bwd] [--dtype bfloat16] [--out DIR]
+
+``--dtype`` sets q, k, v's dtype (and a ``bias``'s); backends that refuse it (cuDNN and Mosaic in
+float32) print why and are not timed.
 """
 
 from __future__ import annotations
@@ -90,11 +93,13 @@ def feature_spec(spec: AttentionSpec, feature: str, seq: int) -> AttentionSpec:
     )
 
 
-def feature_arrays(case: Case, feature: str, seed: int = 0) -> dict[str, Any]:
+def feature_arrays(
+    case: Case, feature: str, seed: int = 0, dtype: Any = jnp.bfloat16
+) -> dict[str, Any]:
     """The arrays ``feature`` adds to a call, as ``flash_attention``'s keyword arguments:
 
-    * bias: ``[1, H, S, S]`` bf16 (float32 for ``bias_f32``), a different one for each head (as a
-      relative-position bias);
+    * bias: ``[1, H, S, S]`` in ``dtype``, the inputs' (float32 for ``bias_f32``), a different one
+      for each head (as a relative-position bias);
     * mask: ``[B, 1, S, S]``, batch row ``b`` padded: its last ``b + 1`` eighths of keys masked;
     * segments: four packed documents a row, 1/8, 2/8, 2/8 and 3/8 of it long;
     * dropout: a seed (``DROPOUT`` is the probability).
@@ -102,7 +107,7 @@ def feature_arrays(case: Case, feature: str, seed: int = 0) -> dict[str, Any]:
     b, s, h = case.batch, case.seq, case.heads
     if feature in ("bias", FLOAT32_BIAS):
         bias = jax.random.normal(jax.random.key(seed), (1, h, s, s), jnp.float32)
-        return dict(bias=bias if feature == FLOAT32_BIAS else bias.astype(jnp.bfloat16))
+        return dict(bias=bias if feature == FLOAT32_BIAS else bias.astype(dtype))
     if feature == "mask":
         valid = s - (jnp.arange(b) % 7 + 1) * s // 8
         keys = jnp.arange(s)[None, None, None, :] < valid[:, None, None, None]
@@ -132,21 +137,21 @@ def static_options(spec: AttentionSpec) -> dict[str, Any]:
     )
 
 
-def call_shape(case: Case, spec: AttentionSpec) -> AttentionShape:
-    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), jnp.bfloat16)
+def call_shape(case: Case, spec: AttentionSpec, dtype: Any = jnp.bfloat16) -> AttentionShape:
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), dtype)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), dtype)
     return AttentionShape.of(q, k, spec)
 
 
 def impls(
-    case: Case, feature: str, blocks: tuple[str, ...] = ()
+    case: Case, feature: str, blocks: tuple[str, ...] = (), dtype: Any = jnp.bfloat16
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v, **arrays) -> out``, ``arrays`` being ``feature``'s
     (:func:`feature_arrays`): each native backend that takes the feature on its heuristic config
     (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant][xdqN]"`` in
     ``blocks`` that platform's heuristic config with that pass's blocks replaced."""
     spec = case_spec(case, feature)
-    shape, static = call_shape(case, spec), static_options(spec)
+    shape, static = call_shape(case, spec, dtype), static_options(spec)
     kind = ejkfn.device_kind()
     out: dict[str, Callable[..., jax.Array]] = {}
     for backend in registered_backends():
@@ -194,18 +199,18 @@ def jitted(
     return lambda *sets: program(*sets, arrays=arrays)
 
 
-def auto_pick(case: Case, feature: str) -> str:
+def auto_pick(case: Case, feature: str, dtype: Any = jnp.bfloat16) -> str:
     """The backends ``auto``'s heuristic runs for this call: ``platform/variant`` for training
     (saying where its backward is cuDNN's kernel), and the one for inference after a ``+`` where
     it differs."""
     spec = case_spec(case, feature)
-    q, k, v, _ = inputs(dataclasses.replace(case, batch=1), 0)
+    q, k, v, _ = inputs(dataclasses.replace(case, batch=1), 0, dtype)
     cfg, _ = ejkfn.choose_config(
         ejkfn.FlashAttention(platform="auto"),
         q, k, v,
         caches=ejkfn.default_caches(),
         policy=ejkfn.AutotunePolicy(allow_autotune=False),
-        **feature_arrays(dataclasses.replace(case, batch=1), feature),
+        **feature_arrays(dataclasses.replace(case, batch=1), feature, dtype=dtype),
         **static_options(spec),
     )  # fmt: skip
     name = f"{cfg.platform}/{cfg.variant}"
@@ -216,12 +221,14 @@ def auto_pick(case: Case, feature: str) -> str:
     return name
 
 
-def check(case: Case, feature: str, blocks: tuple[str, ...] = ()) -> dict[str, float]:
+def check(
+    case: Case, feature: str, blocks: tuple[str, ...] = (), dtype: Any = jnp.bfloat16
+) -> dict[str, float]:
     """name -> largest relative error of output and q, k, v gradients against the float32
     reference of each of :func:`impls`, at batch 1 and at most ``CHECK_SEQ`` positions."""
     small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
     spec = case_spec(small, feature)
-    arrays = feature_arrays(small, feature)
+    arrays = feature_arrays(small, feature, dtype=dtype)
     positional = [
         arrays.get(name)
         for name in ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
@@ -230,10 +237,10 @@ def check(case: Case, feature: str, blocks: tuple[str, ...] = ()) -> dict[str, f
     def want(q, k, v):
         return reference_attention(q, k, v, *positional, spec=spec)[0]
 
-    sets = inputs(small, 7)
+    sets = inputs(small, 7, dtype)
     expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
     errors = {}
-    for name, fn in impls(small, feature, blocks).items():
+    for name, fn in impls(small, feature, blocks, dtype).items():
         try:
             got = jitted(fn, arrays, backward=True)(*sets)
             errors[name] = max(rel_err(g, w) for g, w in zip(got, expected, strict=True))
@@ -251,11 +258,12 @@ def measure(
     calls: int,
     rounds: int,
     blocks: tuple[str, ...] = (),
+    dtype: Any = jnp.bfloat16,
 ) -> list[dict[str, Any]]:
     """The rows of one case and feature: every implementation checked, those that pass timed."""
-    fns, arrays = impls(case, feature, blocks), feature_arrays(case, feature)
-    errors = check(case, feature, blocks)
-    picked = auto_pick(case, feature)
+    fns, arrays = impls(case, feature, blocks, dtype), feature_arrays(case, feature, dtype=dtype)
+    errors = check(case, feature, blocks, dtype)
+    picked = auto_pick(case, feature, dtype)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []
     for backward in [p == "bwd" for p in passes]:
@@ -270,7 +278,7 @@ def measure(
         done += [dict(case=case.name, pass_=label, impl=n) for n in errors if n not in passing]
         fastest = min((r["ms"] for r in done if "ms" in r), default=float("nan"))
         for r in done:
-            r.update(feature=feature, auto_picks=picked)
+            r.update(feature=feature, auto_picks=picked, dtype=jnp.dtype(dtype).name)
             r["max_rel_err_vs_reference"] = errors[r["impl"]]
             if "ms" in r:
                 r["vs_fastest"] = fastest / r["ms"]
@@ -302,6 +310,7 @@ def main() -> int:
     parser.add_argument("--masks", choices=tuple(MASKS), default="causal")
     parser.add_argument("--features", default=",".join(FEATURES[1:]))
     parser.add_argument("--passes", default="bwd", help="fwd, bwd or both (comma-separated)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))
@@ -332,17 +341,18 @@ def main() -> int:
             parse_params(parts[2], FwdParams if parts[1] == "fwd" else BwdParams)
         except (ValueError, TypeError):
             parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]")
+    dtype = jnp.dtype(args.dtype)
     rows: list[dict[str, Any]] = []
     t0, stamp = time.time(), time.strftime("%Y%m%d-%H%M%S")
     for b, s, h, kvh, d in parse_shapes(args.shapes):
         for causal in MASKS[args.masks]:
             case = Case(b, s, h, kvh, d, causal)
-            sets = [inputs(case, seed) for seed in (0, 1)]
+            sets = [inputs(case, seed, dtype) for seed in (0, 1)]
             for feature in features:
                 if args.seconds and time.time() - t0 > args.seconds:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue
-                done = measure(case, feature, passes, sets, args.calls, args.rounds, blocks)
+                done = measure(case, feature, passes, sets, args.calls, args.rounds, blocks, dtype)
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
                 print("\n".join(table_line(r) for r in done), flush=True)
                 rows += done
