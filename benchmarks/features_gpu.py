@@ -54,6 +54,7 @@ from ejkfn.attention._reference import reference_attention
 
 # "none" is the call without a feature, to see what each one costs.
 FEATURES = ("none", "bias", "mask", "segments", "dropout", "soft_cap", "window")
+DTYPES = ("bfloat16", "float16", "float32")  # of q, k, v (--dtype)
 FLOAT32_BIAS = "bias_f32"  # the bias in float32: its tiles are twice as large in shared memory
 SOFT_CAP = 50.0  # Gemma 2's attention cap
 DROPOUT = 0.1
@@ -310,7 +311,7 @@ def main() -> int:
     parser.add_argument("--masks", choices=tuple(MASKS), default="causal")
     parser.add_argument("--features", default=",".join(FEATURES[1:]))
     parser.add_argument("--passes", default="bwd", help="fwd, bwd or both (comma-separated)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attention import MASKS, Case, parse_params, parse_shapes
-from features_gpu import FEATURES, FLOAT32_BIAS, feature_arrays, feature_spec
+from features_gpu import DTYPES, FEATURES, FLOAT32_BIAS, feature_arrays, feature_spec
 
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionShape, AttentionSpec, _triton
@@ -71,7 +71,7 @@ class Launch:
 def _feature_inputs(shape: AttentionShape, feature: str) -> tuple[Any, ...]:
     """(bias, mask, q_seg, kv_seg, seed) as abstract arrays, as ``features_gpu.py`` makes them."""
     case = Case(shape.batch, shape.seq_q, shape.heads, shape.kv_heads, shape.head_dim, False)
-    made = jax.eval_shape(lambda: feature_arrays(case, feature))
+    made = jax.eval_shape(lambda: feature_arrays(case, feature, dtype=jnp.dtype(shape.dtype)))
     names = ("bias", "attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed")
     return tuple(made.get(name) for name in names)
 
@@ -242,7 +242,7 @@ def main() -> int:
     parser.add_argument("--fwd", default="", help="forward blocks, else the heuristic's")
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
     parser.add_argument("--feature", choices=(*FEATURES, FLOAT32_BIAS), default="none")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()

@@ -444,7 +444,7 @@ _NARROW_WINDOW = 1024
 
 
 def _feature_backends(
-    shape: AttentionShape, wide_bias: bool = False
+    shape: AttentionShape, wide_bias: bool
 ) -> tuple[tuple[str, str], tuple[str, str]] | None:
     """(training, inference) backends ``auto`` takes first on Hopper for this call, whose bias (if
     any) is ``wide_bias``: in a wider dtype than the inputs; None: the default order."""
@@ -477,10 +477,12 @@ def _feature_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
     None where no preference applies or the preferred backends cannot do the call."""
+    if not _is_hopper():
+        return None
     bias = args[3]
     wide_bias = bias is not None and np.dtype(bias.dtype).itemsize > np.dtype(shape.dtype).itemsize
     pairs = _feature_backends(shape, wide_bias)
-    if pairs is None or not _is_hopper():
+    if pairs is None:
         return None
     cfgs = []
     for platform, variant in pairs:
