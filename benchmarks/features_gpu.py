@@ -284,6 +284,8 @@ def measure(
             if "ms" in r:
                 r["vs_fastest"] = fastest / r["ms"]
         rows += done
+        # as each pass ends: a run the device's time limit stops still shows its first pass
+        print("\n".join(table_line(r) for r in done), flush=True)
     print(f"{case.name} {feature}: auto runs {picked}")
     return rows
 
@@ -354,8 +356,7 @@ def main() -> int:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue
                 done = measure(case, feature, passes, sets, args.calls, args.rounds, blocks, dtype)
-                print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)")
-                print("\n".join(table_line(r) for r in done), flush=True)
+                print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)", flush=True)
                 rows += done
                 if args.out:  # as it goes: the device's time limit may end the run
                     save_rows(args.out, "features", rows, stamp)

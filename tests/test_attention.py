@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ejkfn
 from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_attention
-from ejkfn.attention import _cudnn, registered_backends
+from ejkfn.attention import _cudnn, _triton, registered_backends
 from ejkfn.attention._backend import (
     BAND_BYTES,
     AttentionBackend,
@@ -798,6 +798,35 @@ def test_auto_on_hopper_orders_backends_by_feature(
     elsewhere = kernel.heuristic_cfg(inv)
     refused = {"dropout", "soft_cap", "segments", "bias_f32"} & set(feature.split("+"))  # by cuDNN
     assert elsewhere.platform == ("pallas" if refused else "cudnn")
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("feature", [{}, {"logits_soft_cap": 30.0}])
+def test_auto_runs_float32_inputs_on_triton_on_gpus(
+    hopper: bool, feature: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Float32 products spill Pallas-Triton's blocks: ``auto`` takes Triton first for float32
+    inputs on any GPU, with or without a feature; Triton's backward takes blocks that do not
+    spill there."""
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_is_hopper", lambda: hopper)
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("pallas", "triton"))
+    refusal = _api._refusal
+    monkeypatch.setattr(  # compiled Triton cannot trace off a CUDA GPU
+        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
+    )
+    kernel = FlashAttention()
+    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
+    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=True, **feature))
+    assert (cfg.platform, cfg.inference) == ("triton", None)
+    f32 = AttentionShape.of(x, x, AttentionSpec(scale=0.125, causal=True))
+    shape = dataclasses.replace(f32, dtype="bfloat16")
+    assert _triton.heuristic(f32)[1] == BwdParams(
+        q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2
+    )
+    assert _triton.heuristic(shape)[1] != _triton.heuristic(f32)[1]
 
 
 def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(

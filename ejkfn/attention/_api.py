@@ -37,6 +37,10 @@ _AUTO_ORDER = {
     "tpu": ("pallas", "xla"),
     "cpu": ("xla",),
 }
+# With float32 inputs the products run as FMAs on the CUDA cores and Pallas-Triton's blocks spill:
+# at 8x2048x32x64 causal on an H200 it ran forward 0.048x and forward+backward 0.23x Triton
+# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes first there.
+_AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -477,7 +481,7 @@ def _feature_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
     None where no preference applies or the preferred backends cannot do the call."""
-    if not _is_hopper():
+    if not _is_hopper() or shape.dtype == "float32":  # measured with 16-bit inputs
         return None
     bias = args[3]
     wide_bias = bias is not None and np.dtype(bias.dtype).itemsize > np.dtype(shape.dtype).itemsize
@@ -726,7 +730,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     ) -> tuple[list[AttentionBackend], list[str]]:
         """Native backends that can do the call, best first (``first``: the best alone); and why not."""
         kind = device_kind()
-        order = list(_AUTO_ORDER.get(kind, ()))
+        orders = _AUTO_ORDER_FLOAT32 if shape.dtype == "float32" else {}
+        order = list(orders.get(kind, _AUTO_ORDER.get(kind, ())))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []

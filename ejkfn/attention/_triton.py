@@ -465,6 +465,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             )
         else:
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
+        if shape.dtype == "float32":
+            # FMA products keep their operands in registers: 32 x 32 on 4 warps and 2 stages
+            # does not spill, and ran forward+backward 1.07x the blocks above at 8x2048x32x64
+            # causal (16 x 32 0.63x; results/features_NVIDIA_H200_20261129-111921.json)
+            bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
     elif d <= 128:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
         if shape.spec.causal and {"dropout", "bias", "attention_mask"} & shape.spec.features:
