@@ -39,7 +39,9 @@ _AUTO_ORDER = {
 }
 # With float32 inputs the products run as FMAs on the CUDA cores and Pallas-Triton's blocks spill:
 # at 8x2048x32x64 causal on an H200 it ran forward 0.048x and forward+backward 0.23x Triton
-# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes first there.
+# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes first there. On both
+# kernels' float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x
+# its forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
 _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 

@@ -465,11 +465,6 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             )
         else:
             bp = BwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
-        if shape.dtype == "float32":
-            # FMA products keep their operands in registers: 32 x 32 on 4 warps and 2 stages
-            # does not spill, and ran forward+backward 1.07x the blocks above at 8x2048x32x64
-            # causal (16 x 32 0.63x; results/features_NVIDIA_H200_20261129-111921.json)
-            bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
     elif d <= 128:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=4, num_stages=3)
         if shape.spec.causal and {"dropout", "bias", "attention_mask"} & shape.spec.features:
@@ -485,6 +480,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+    if shape.dtype == "float32" and d <= 128:
+        # FMA products keep their operands in registers, and the blocks above spill: the
+        # backward on 32 x 32, 4 warps, 2 stages ran forward+backward 1.07x them at 8x2048x32x64
+        # causal (16 x 32 0.63x) and 2.76x at 4x4096x16x128 causal; there the forward on
+        # 32 x 64 ran 15.4x them (32 x 32 11.9x), but at D = 64 0.74x them
+        # (results/features_NVIDIA_H200_20261129-111921.json, -113536.json, -114127.json)
+        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+        if d > 64:
+            fp = FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
