@@ -827,6 +827,9 @@ def test_auto_runs_float32_inputs_on_triton_on_gpus(
         q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2
     )
     assert _triton.heuristic(shape)[1] != _triton.heuristic(f32)[1]
+    # above head dim 128, 16 rows (32 spill there)
+    wide = dataclasses.replace(f32, head_dim=256)
+    assert [(p.q_blocksize, p.kv_blocksize) for p in _triton.heuristic(wide)] == [(16, 32)] * 2
 
 
 def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(

@@ -1001,13 +1001,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
-    if shape.dtype == "float32" and d <= 128:
+    if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill: the forward
         # on 32 x 32, 4 warps, 2 stages ran 9.8x them at 4x4096x16x128 causal
         # (results/features_NVIDIA_H200_20261129-114127.json); the backward takes the same
-        # blocks as Triton's, which ran 1.07-2.76x its spilling ones
-        fp = FwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
-        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+        # blocks as Triton's, which ran 1.07-2.76x its spilling ones. Above D = 128 Triton's
+        # blocks that do not spill (16 x 32; not timed for either kernel).
+        rows = 16 if d > 128 else 32
+        fp = FwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
+        bp = BwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits_pass(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits_pass(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp

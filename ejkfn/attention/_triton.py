@@ -480,15 +480,20 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     else:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
-    if shape.dtype == "float32" and d <= 128:
+    if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill: the
         # backward on 32 x 32, 4 warps, 2 stages ran forward+backward 1.07x them at 8x2048x32x64
         # causal (16 x 32 0.63x) and 2.76x at 4x4096x16x128 causal; there the forward on
         # 32 x 64 ran 15.4x them (32 x 32 11.9x), but at D = 64 0.74x them
-        # (results/features_NVIDIA_H200_20261129-111921.json, -113536.json, -114127.json)
-        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+        # (results/features_NVIDIA_H200_20261129-111921.json, -113536.json, -114127.json).
+        # Above 128 the blocks above spill 51824 bytes a thread (forward) and 65688 (dK/dV) at
+        # D = 256, as much as those that ran 2.8-15x slower at 128; 16 x 32 spill 4 and 8 bytes
+        # (triton_sass.py --dtype float32; not timed).
+        small = (16 if d > 128 else 32, 32)
+        bp = BwdParams(q_blocksize=small[0], kv_blocksize=small[1], num_warps=4, num_stages=2)
         if d > 64:
-            fp = FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=4, num_stages=2)
+            bk = 64 if d <= 128 else 32
+            fp = FwdParams(q_blocksize=small[0], kv_blocksize=bk, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
@@ -523,10 +528,12 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":
         # float32 products run as FMAs on the CUDA cores, their operands in registers: the blocks
-        # above spill (the heuristic's dK/dV kernel 91140 bytes a thread at D = 128), these do not
-        # at D = 64 or 128 (triton_sass.py --dtype float32; NOTES.md, fifty-second round).
+        # above spill (the 16-bit heuristic's dK/dV kernel 91140 bytes a thread at D = 128), these
+        # do not at D = 64 or 128, 16 x 32 not at 256 (triton_sass.py --dtype float32; NOTES.md,
+        # fifty-second and fifty-third rounds).
         fwds += [
-            FwdParams(q_blocksize=32, kv_blocksize=bk, num_warps=4, num_stages=2) for bk in (32, 64)
+            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=2)
+            for bq, bk in ((16, 32), (32, 32), (32, 64))
         ]
         bwds += [
             BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
