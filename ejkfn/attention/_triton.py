@@ -489,11 +489,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # Above 128 the blocks above spill 51824 bytes a thread (forward) and 65688 (dK/dV) at
         # D = 256, as much as those that ran 2.8-15x slower at 128; 16 x 32 spill 4 and 8 bytes
         # (triton_sass.py --dtype float32; not timed).
-        small = (16 if d > 128 else 32, 32)
-        bp = BwdParams(q_blocksize=small[0], kv_blocksize=small[1], num_warps=4, num_stages=2)
-        if d > 64:
-            bk = 64 if d <= 128 else 32
-            fp = FwdParams(q_blocksize=small[0], kv_blocksize=bk, num_warps=4, num_stages=2)
+        rows = 16 if d > 128 else 32
+        bp = BwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
+        if d > 64:  # at 64 the forward's small spill (1.2 KB) cost less than fewer rows
+            keys = 64 if d <= 128 else 32
+            fp = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
