@@ -77,10 +77,7 @@ def _feature_inputs(shape: AttentionShape, feature: str) -> tuple[Any, ...]:
 
 
 def launches(
-    shape: AttentionShape,
-    fp: FwdParams,
-    bp: BwdParams,
-    feature: str = "none",
+    shape: AttentionShape, fp: FwdParams, bp: BwdParams, feature: str = "none"
 ) -> dict[str, Launch]:
     """name -> the launch of each kernel of a forward and backward at ``shape``, recorded by
     running the backend's own ``fwd`` and ``bwd`` on abstract arrays with a stand-in launcher

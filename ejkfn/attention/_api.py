@@ -732,8 +732,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
     ) -> tuple[list[AttentionBackend], list[str]]:
         """Native backends that can do the call, best first (``first``: the best alone); and why not."""
         kind = device_kind()
-        orders = _AUTO_ORDER_FLOAT32 if shape.dtype == "float32" else {}
-        order = list(orders.get(kind, _AUTO_ORDER.get(kind, ())))
+        order = list(_AUTO_ORDER.get(kind, ()))
+        if shape.dtype == "float32":
+            order = list(_AUTO_ORDER_FLOAT32.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []
