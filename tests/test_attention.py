@@ -801,13 +801,25 @@ def test_auto_on_hopper_orders_backends_by_feature(
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-@pytest.mark.parametrize("feature", [{}, {"logits_soft_cap": 30.0}])
+@pytest.mark.parametrize(
+    ("causal", "feature", "platform"),
+    [
+        (True, {}, "triton"),
+        (True, {"logits_soft_cap": 30.0}, "triton"),
+        (False, {"logits_soft_cap": 30.0}, "triton"),
+        (False, {}, "pallas"),
+    ],
+)
 def test_auto_runs_float32_inputs_on_triton_on_gpus(
-    hopper: bool, feature: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    hopper: bool,
+    causal: bool,
+    feature: dict[str, Any],
+    platform: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Float32 products spill Pallas-Triton's blocks: ``auto`` takes Triton first for float32
-    inputs on any GPU, with or without a feature; Triton's backward takes blocks that do not
-    spill there."""
+    """Float32 products spill Pallas-Triton's 16-bit blocks: ``auto`` takes Triton first for
+    float32 inputs on any GPU, with a mask or a feature, and Pallas-Triton (on its own float32
+    blocks) at head dim 64 without either; Triton's backward takes blocks that do not spill."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
@@ -819,8 +831,8 @@ def test_auto_runs_float32_inputs_on_triton_on_gpus(
     )
     kernel = FlashAttention()
     x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
-    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=True, **feature))
-    assert (cfg.platform, cfg.inference) == ("triton", None)
+    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **feature))
+    assert (cfg.platform, cfg.inference) == (platform, None)
     f32 = AttentionShape.of(x, x, AttentionSpec(scale=0.125, causal=True))
     shape = dataclasses.replace(f32, dtype="bfloat16")
     assert _triton.heuristic(f32)[1] == BwdParams(

@@ -43,6 +43,9 @@ _AUTO_ORDER = {
 # kernels' float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x
 # its forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
 _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
+# Except at head dims up to 64 without a mask or a feature, where Pallas-Triton's forward on 128 x 64
+# blocks ran 1.09x Triton's best and forward+backward 1.02x (-130441.json, 8x2048x32x64).
+_AUTO_ORDER_FLOAT32_PLAIN_NARROW = {"gpu": ("pallas", "triton", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -734,7 +737,9 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         if shape.dtype == "float32":
-            order = list(_AUTO_ORDER_FLOAT32.get(kind, order))
+            plain_narrow = shape.head_dim <= 64 and not shape.spec.features
+            table = _AUTO_ORDER_FLOAT32_PLAIN_NARROW if plain_narrow else _AUTO_ORDER_FLOAT32
+            order = list(table.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []

@@ -1002,13 +1002,20 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
     if shape.dtype == "float32":
-        # FMA products keep their operands in registers, and the blocks above spill: the forward
-        # on 32 x 32, 4 warps, 2 stages ran 9.8x them at 4x4096x16x128 causal
-        # (results/features_NVIDIA_H200_20261129-114127.json); the backward takes the same
-        # blocks as Triton's, which ran 1.07-2.76x its spilling ones. Above D = 128 Triton's
-        # blocks that do not spill (16 x 32; not timed for either kernel).
+        # FMA products keep their operands in registers, and the blocks above spill. The backward
+        # takes the blocks of Triton's that ran 1.07-2.76x its spilling ones; 32 x 32 on 8 warps
+        # ran 0.58-0.65x (results/features_NVIDIA_H200_20261129-125700.json). The forward on
+        # 32 x 32, 4 warps, 2 stages ran 9.8x the 16-bit blocks at 4x4096x16x128 causal
+        # (-114127.json); at D = 128, 32 x 64 on 8 warps ran 1.15x that causal and 1.25x without
+        # a mask, and at D = 64 without a mask the 16-bit 128 x 64 on 8 warps 1.12x (-125019.json,
+        # -125249.json; causal it ran 0.62x). Above D = 128, 16 x 32 as Triton's (even with
+        # 32 x 32 on 8 warps, -125503.json).
         rows = 16 if d > 128 else 32
         fp = FwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
+        if 64 < d <= 128:
+            fp = FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=2)
+        elif d <= 64 and not shape.spec.features:
+            fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         bp = BwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits_pass(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits_pass(shape, p, backward=True), _MIN_BLOCK)
@@ -1040,6 +1047,12 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bk in (64, 128)
         for s in (2, 3, 4)
     ]
+    if shape.dtype == "float32":  # blocks that hold FMA operands without spilling (heuristic)
+        fwds += [
+            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
+            for bq, bk in ((16, 32), (32, 32), (32, 64))
+            for w in (4, 8)
+        ]
     heur = heuristic(shape)
     if _fits(shape, *heur):
         out.append(heur)

@@ -431,6 +431,40 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
     return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
 
+def _float32_blocks(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    """Blocks for float32 inputs, whose products are FMAs with their operands in registers: the
+    16-bit blocks spill (NOTES.md, fifty-third and fifty-fourth rounds)."""
+    d = _block_d(shape.head_dim)
+    plain_causal = shape.spec.features == {"causal"}
+    if d > 128:
+        # The 16-bit blocks spill 51824 bytes a thread (forward) and 65688 (dK/dV) at D = 256;
+        # 16 x 32 spill 4 and 8 and ran the forward even with 32 x 32 on 8 warps
+        # (results/features_NVIDIA_H200_20261129-125503.json, 2x4096x8x256).
+        blocks = FwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=2)
+        return blocks, BwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=2)
+    # 32 x 32 on 4 warps, 2 stages: forward+backward 1.07x the 16-bit blocks at 8x2048x32x64
+    # causal and 2.76x at 4x4096x16x128 causal (results/features_NVIDIA_H200_20261129-111921.json,
+    # -114127.json); 32 x 64 on 8 warps ran 1.06x it at D = 128 causal, 0.96-1.00x elsewhere
+    # (-125700.json).
+    bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+    if d > 64 and plain_causal:
+        bp = dataclasses.replace(bp, kv_blocksize=64, num_warps=8)
+    if d <= 64:
+        if plain_causal:  # the 16-bit forward's 1.2 KB spill costs less than fewer rows
+            return FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3), bp
+        # Elsewhere it spills 1-3 KB (with a feature) and 64 x 64 on 8 warps, 3 stages at most
+        # 772 bytes (triton_sass.py); without a mask that ran 1.08x it at 8x2048x32x64
+        # (results/features_NVIDIA_H200_20261129-125249.json); causal 0.73x (-111921.json).
+        return FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=3), bp
+    # At D = 128, 32 x 64 on 4 warps ran the causal forward 15.4x the 16-bit blocks (-113536.json,
+    # -114127.json), but without a mask, or with a mask tensor, ptxas fits it in 32 registers
+    # and spills 13 KB a thread: 574 ms against 46 ms on 8 warps at 4x4096x16x128
+    # (-124136.json, -125019.json). On 8 warps it spills nothing with any feature
+    # (triton_sass.py), and ran 0.94x 4 warps causal.
+    warps = 4 if plain_causal else 8
+    return FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=warps, num_stages=2), bp
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
     # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
@@ -481,19 +515,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp = FwdParams(q_blocksize=64, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
     if shape.dtype == "float32":
-        # FMA products keep their operands in registers, and the blocks above spill: the
-        # backward on 32 x 32, 4 warps, 2 stages ran forward+backward 1.07x them at 8x2048x32x64
-        # causal (16 x 32 0.63x) and 2.76x at 4x4096x16x128 causal; there the forward on
-        # 32 x 64 ran 15.4x them (32 x 32 11.9x), but at D = 64 0.74x them
-        # (results/features_NVIDIA_H200_20261129-111921.json, -113536.json, -114127.json).
-        # Above 128 the blocks above spill 51824 bytes a thread (forward) and 65688 (dK/dV) at
-        # D = 256, as much as those that ran 2.8-15x slower at 128; 16 x 32 spill 4 and 8 bytes
-        # (triton_sass.py --dtype float32; not timed).
-        rows = 16 if d > 128 else 32
-        bp = BwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
-        if d > 64:  # at 64 the forward's small spill (1.2 KB) cost less than fewer rows
-            keys = 64 if d <= 128 else 32
-            fp = FwdParams(q_blocksize=rows, kv_blocksize=keys, num_warps=4, num_stages=2)
+        fp, bp = _float32_blocks(shape)
     fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
@@ -529,14 +551,16 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     if shape.dtype == "float32":
         # float32 products run as FMAs on the CUDA cores, their operands in registers: the blocks
         # above spill (the 16-bit heuristic's dK/dV kernel 91140 bytes a thread at D = 128), these
-        # do not at D = 64 or 128, 16 x 32 not at 256 (triton_sass.py --dtype float32; NOTES.md,
-        # fifty-second and fifty-third rounds).
+        # spill little or nothing, which of them least depends on the mask and the features
+        # (triton_sass.py --dtype float32; NOTES.md, fifty-second to fifty-fourth rounds).
         fwds += [
-            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=4, num_stages=2)
+            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
             for bq, bk in ((16, 32), (32, 32), (32, 64))
+            for w in (4, 8)
         ]
         bwds += [
-            BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
+            BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
+            for bq, bk, w in ((16, 32, 4), (32, 32, 4), (32, 64, 8))
         ]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
