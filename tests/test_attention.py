@@ -810,7 +810,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         (False, {}, "pallas"),
     ],
 )
-def test_auto_runs_float32_inputs_on_triton_on_gpus(
+def test_auto_orders_float32_inputs_on_gpus(
     hopper: bool,
     causal: bool,
     feature: dict[str, Any],

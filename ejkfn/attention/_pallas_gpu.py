@@ -1003,8 +1003,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
     if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill. The backward
-        # takes the blocks of Triton's that ran 1.07-2.76x its spilling ones; 32 x 32 on 8 warps
-        # ran 0.58-0.65x (results/features_NVIDIA_H200_20261129-125700.json). The forward on
+        # takes the blocks of Triton's that ran 1.07-2.76x its spilling ones; on 8 warps they ran
+        # 0.61-0.68x (results/features_NVIDIA_H200_20261129-125700.json). The forward on
         # 32 x 32, 4 warps, 2 stages ran 9.8x the 16-bit blocks at 4x4096x16x128 causal
         # (-114127.json); at D = 128, 32 x 64 on 8 warps ran 1.15x that causal and 1.25x without
         # a mask, and at D = 64 without a mask the 16-bit 128 x 64 on 8 warps 1.12x (-125019.json,
