@@ -802,24 +802,29 @@ def test_auto_on_hopper_orders_backends_by_feature(
 
 @pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize(
-    ("causal", "feature", "platform"),
+    ("dim", "causal", "feature", "platform"),
     [
-        (True, {}, "triton"),
-        (True, {"logits_soft_cap": 30.0}, "triton"),
-        (False, {"logits_soft_cap": 30.0}, "triton"),
-        (False, {}, "pallas"),
+        (64, True, {}, "triton"),
+        (64, True, {"logits_soft_cap": 30.0}, "triton"),
+        (64, False, {"logits_soft_cap": 30.0}, "triton"),
+        (64, False, {}, "pallas"),
+        (128, False, {}, "triton"),
+        (128, True, {"attention_mask": True}, "pallas"),
+        (64, True, {"attention_mask": True}, "triton"),
     ],
 )
 def test_auto_orders_float32_inputs_on_gpus(
     hopper: bool,
+    dim: int,
     causal: bool,
     feature: dict[str, Any],
     platform: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Float32 products spill Pallas-Triton's 16-bit blocks: ``auto`` takes Triton first for
-    float32 inputs on any GPU, with a mask or a feature, and Pallas-Triton (on its own float32
-    blocks) at head dim 64 without either; Triton's backward takes blocks that do not spill."""
+    float32 inputs on any GPU, and Pallas-Triton (on its own float32 blocks) where that ran faster:
+    at head dim 64 without a mask or a feature, at 128 with a mask tensor. Triton's backward takes
+    blocks that do not spill."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
@@ -830,9 +835,12 @@ def test_auto_orders_float32_inputs_on_gpus(
         _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
     )
     kernel = FlashAttention()
-    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
-    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **feature))
+    x = jax.ShapeDtypeStruct((1, 256, 4, dim), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bool_)
+    options = {k: mask if k == "attention_mask" else v for k, v in feature.items()}
+    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **options))
     assert (cfg.platform, cfg.inference) == (platform, None)
+    x = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.float32)
     f32 = AttentionShape.of(x, x, AttentionSpec(scale=0.125, causal=True))
     shape = dataclasses.replace(f32, dtype="bfloat16")
     assert _triton.heuristic(f32)[1] == BwdParams(

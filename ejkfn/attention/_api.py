@@ -43,9 +43,8 @@ _AUTO_ORDER = {
 # kernels' float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x
 # its forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
 _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
-# Except at head dims up to 64 without a mask or a feature, where Pallas-Triton's forward on 128 x 64
-# blocks ran 1.09x Triton's best and forward+backward 1.02x (-130441.json, 8x2048x32x64).
-_AUTO_ORDER_FLOAT32_PLAIN_NARROW = {"gpu": ("pallas", "triton", "xla")}
+# Pallas-Triton first where it ran faster on the float32 blocks of both (:func:`_float32_pallas_first`).
+_AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -481,6 +480,19 @@ def _feature_backends(
     return None
 
 
+def _float32_pallas_first(shape: AttentionShape) -> bool:
+    """Whether Pallas-Triton leads Triton for this float32 call on a GPU. At head dims up to 64
+    without a mask or a feature its forward on 128 x 64 blocks ran 1.09x Triton's best and
+    forward+backward 1.02x (results/features_NVIDIA_H200_20261129-130441.json, 8x2048x32x64); at
+    head dim 128 with a mask tensor forward 1.06x and forward+backward 1.06x (-131011.json,
+    -132503.json, 4x4096x16x128 causal). Elsewhere Triton led or they ran even (NOTES.md,
+    fifty-third and fifty-fourth rounds)."""
+    features = shape.spec.features
+    if shape.head_dim <= 64:
+        return not features
+    return shape.head_dim <= 128 and "attention_mask" in features
+
+
 def _feature_cfg(
     shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> AttentionConfig | None:
@@ -737,8 +749,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         if shape.dtype == "float32":
-            plain_narrow = shape.head_dim <= 64 and not shape.spec.features
-            table = _AUTO_ORDER_FLOAT32_PLAIN_NARROW if plain_narrow else _AUTO_ORDER_FLOAT32
+            pallas = _float32_pallas_first(shape)
+            table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
