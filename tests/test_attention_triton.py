@@ -412,6 +412,7 @@ def test_the_tuner_tries_small_blocks_in_float32_only(dim):
     def tried(dtype):
         x = jax.ShapeDtypeStruct((4, 4096, 16, dim), dtype)
         cands = tri.candidates(AttentionShape.of(x, x, spec))
+        assert len(set(cands)) == len(cands)  # none timed twice
         return {f for f, _ in cands}, {b for _, b in cands}
 
     fwds, bwds = tried(jnp.float32)

@@ -558,9 +558,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
             for bq, bk in ((16, 32), (32, 32), (32, 64))
             for w in (4, 8)
         ]
-        bwds += [
-            BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
-            for bq, bk, w in ((16, 32, 4), (32, 32, 4), (32, 64, 8))
+        bwds += [  # (32 x 64 on 8 warps, 2 stages, is among the 16-bit ones)
+            BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
         ]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
