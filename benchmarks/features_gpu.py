@@ -5,10 +5,10 @@ cap and a sliding window (:data:`FEATURES`; ``windowN`` is a window ``N`` keys w
 instead of a quarter of the sequence, ``bias_f32`` the bias in float32 instead of bf16). For each
 shape, mask and feature this
 
-1. checks the forward and the gradients of q, k and v of every ejkfn backend that takes the feature
-   (its heuristic config) and of ``platform="auto"`` against the float32 reference with the same
-   feature, at batch 1 and at most ``CHECK_SEQ`` positions (relative error under 2e-2; NaN
-   never passes); one that fails is not timed;
+1. checks the forward (and, when the backward is timed, the gradients of q, k and v) of every
+   ejkfn backend that takes the feature (its heuristic config) and of ``platform="auto"`` against
+   the float32 reference with the same feature, at batch 1 and at most ``CHECK_SEQ`` positions
+   (relative error under 2e-2; NaN never passes); one that fails is not timed;
 2. times them interleaved at the full shape (:func:`attention.check_then_time`), forward+backward
    (``--passes fwd,bwd`` adds the forward);
 3. prints each one's time, its TFLOP/s counted as for the call without the feature (so a feature
@@ -17,6 +17,10 @@ shape, mask and feature this
 
     python3 benchmarks/features_gpu.py [--shapes 8x2048x32x64,4x4096x16x128] [--masks causal]
         [--features segments,dropout,...] [--passes bwd] [--dtype bfloat16] [--out DIR]
+        [--only triton/triton,auto]
+
+``--only`` keeps the rows of those implementations (``platform/variant`` also keeps its
+``--blocks`` rows): each row left out saves its compiles, minutes a program in float32.
 
 ``--dtype`` sets q, k, v's dtype (and a ``bias``'s); backends that refuse it (cuDNN and Mosaic in
 float32) print why and are not timed.
@@ -145,12 +149,17 @@ def call_shape(case: Case, spec: AttentionSpec, dtype: Any = jnp.bfloat16) -> At
 
 
 def impls(
-    case: Case, feature: str, blocks: tuple[str, ...] = (), dtype: Any = jnp.bfloat16
+    case: Case,
+    feature: str,
+    blocks: tuple[str, ...] = (),
+    dtype: Any = jnp.bfloat16,
+    only: frozenset[str] = frozenset(),
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v, **arrays) -> out``, ``arrays`` being ``feature``'s
     (:func:`feature_arrays`): each native backend that takes the feature on its heuristic config
     (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant][xdqN]"`` in
-    ``blocks`` that platform's heuristic config with that pass's blocks replaced."""
+    ``blocks`` that platform's heuristic config with that pass's blocks replaced. With ``only``,
+    those whose name, or whose name's ``platform/variant``, is in it."""
     spec = case_spec(case, feature)
     shape, static = call_shape(case, spec, dtype), static_options(spec)
     kind = ejkfn.device_kind()
@@ -182,6 +191,8 @@ def impls(
                 q, k, v, **arrays, **static, cfg=cfg
             )
     out["auto"] = lambda q, k, v, **arrays: ejkfn.flash_attention(q, k, v, **arrays, **static)
+    if only:
+        out = {n: fn for n, fn in out.items() if n in only or n.split(" ")[0] in only}
     return out
 
 
@@ -223,10 +234,16 @@ def auto_pick(case: Case, feature: str, dtype: Any = jnp.bfloat16) -> str:
 
 
 def check(
-    case: Case, feature: str, blocks: tuple[str, ...] = (), dtype: Any = jnp.bfloat16
+    case: Case,
+    feature: str,
+    blocks: tuple[str, ...] = (),
+    dtype: Any = jnp.bfloat16,
+    only: frozenset[str] = frozenset(),
+    backward: bool = True,
 ) -> dict[str, float]:
-    """name -> largest relative error of output and q, k, v gradients against the float32
-    reference of each of :func:`impls`, at batch 1 and at most ``CHECK_SEQ`` positions."""
+    """name -> largest relative error of the output (with ``backward`` also q, k, v's
+    gradients) against the float32 reference of each of :func:`impls`, at batch 1 and at most
+    ``CHECK_SEQ`` positions."""
     small = dataclasses.replace(case, batch=1, seq=min(case.seq, CHECK_SEQ))
     spec = case_spec(small, feature)
     arrays = feature_arrays(small, feature, dtype=dtype)
@@ -238,12 +255,14 @@ def check(
     def want(q, k, v):
         return reference_attention(q, k, v, *positional, spec=spec)[0]
 
-    sets = inputs(small, 7, dtype)
-    expected = jax.jit(fwd_bwd(want))(*(x.astype(jnp.float32) for x in sets))
+    sets = inputs(small, 7, dtype)[: 4 if backward else 3]  # (q, k, v, dout)
+    exact = jax.jit(fwd_bwd(want) if backward else want)(*(x.astype(jnp.float32) for x in sets))
+    expected = exact if backward else (exact,)
     errors = {}
-    for name, fn in impls(small, feature, blocks, dtype).items():
+    for name, fn in impls(small, feature, blocks, dtype, only).items():
         try:
-            got = jitted(fn, arrays, backward=True)(*sets)
+            got = jitted(fn, arrays, backward)(*sets)
+            got = got if backward else (got,)
             errors[name] = max(rel_err(g, w) for g, w in zip(got, expected, strict=True))
         except Exception as exc:  # report and go on: one backend failing must not end the run
             print(f"{case.name} {feature} {name}: {type(exc).__name__}: {str(exc)[:300]}")
@@ -260,10 +279,13 @@ def measure(
     rounds: int,
     blocks: tuple[str, ...] = (),
     dtype: Any = jnp.bfloat16,
+    only: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """The rows of one case and feature: every implementation checked, those that pass timed."""
-    fns, arrays = impls(case, feature, blocks, dtype), feature_arrays(case, feature, dtype=dtype)
-    errors = check(case, feature, blocks, dtype)
+    """The rows of one case and feature: every implementation checked (its backward only where
+    that is timed), those that pass timed."""
+    fns = impls(case, feature, blocks, dtype, only)
+    arrays = feature_arrays(case, feature, dtype=dtype)
+    errors = check(case, feature, blocks, dtype, only, backward="bwd" in passes)
     picked = auto_pick(case, feature, dtype)
     passing = [n for n, e in errors.items() if e < MAX_ERROR]
     rows: list[dict[str, Any]] = []
@@ -325,6 +347,9 @@ def main() -> int:
     parser.add_argument(
         "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
     )
+    parser.add_argument(
+        "--only", default="", help="rows to keep, comma-separated (auto, PLATFORM/VARIANT, ...)"
+    )
     args = parser.parse_args()
     features = args.features.split(",")
     for feature in features:
@@ -336,6 +361,10 @@ def main() -> int:
     if unknown := sorted(set(passes) - {"fwd", "bwd"}):
         parser.error(f"--passes: {unknown} not among ['fwd', 'bwd']")
     blocks = tuple(filter(None, args.blocks.split(",")))
+    only = frozenset(filter(None, args.only.split(",")))
+    known = {"auto", *(f"{b.platform}/{b.variant}" for b in registered_backends())}
+    if unknown := sorted(n for n in only if n.split(" ")[0] not in known):
+        parser.error(f"--only: {unknown} not among {sorted(known)}")
     for item in blocks:
         parts = item.split(":")
         try:  # impls parses them again; parsing here fails a typo before any compile
@@ -355,7 +384,9 @@ def main() -> int:
                 if args.seconds and time.time() - t0 > args.seconds:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue
-                done = measure(case, feature, passes, sets, args.calls, args.rounds, blocks, dtype)
+                done = measure(
+                    case, feature, passes, sets, args.calls, args.rounds, blocks, dtype, only
+                )
                 print(f"{case.name} {feature} done ({time.time() - t0:.0f} s)", flush=True)
                 rows += done
                 if args.out:  # as it goes: the device's time limit may end the run

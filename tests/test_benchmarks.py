@@ -735,6 +735,41 @@ def test_features_benchmark_adds_the_blocks_asked_for(monkeypatch):
     assert not any(n.startswith("pallas/triton ") for n in names)
 
 
+def test_features_benchmark_keeps_only_the_rows_asked_for(monkeypatch):
+    """``--only triton/triton`` keeps Triton's heuristic row and its ``--blocks`` rows, nothing
+    else; an exact block row's name keeps that row alone."""
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    monkeypatch.setattr(features_gpu.ejkfn, "device_kind", lambda: "gpu")
+    case, blocks = attention.Case(1, 256, 2, 2, 64, True), ("triton:bwd:32x64x4x3",)
+    names = features_gpu.impls(case, "none", blocks, only=frozenset({"triton/triton"}))
+    assert set(names) == {"triton/triton", "triton/triton bwd 32x64x4x3"}
+    only = frozenset({"triton/triton bwd 32x64x4x3", "auto"})
+    assert set(features_gpu.impls(case, "none", blocks, only=only)) == only
+
+
+def test_features_benchmark_names_an_unknown_only_row():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--only", "auto,tritn/triton"],
+        capture_output=True, text=True, env=child_env(), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "['tritn/triton'] not among" in proc.stderr
+
+
+def test_features_benchmark_checks_the_forward_alone_when_only_it_is_timed(monkeypatch):
+    """With ``--passes fwd`` each row's forward is checked without compiling its backward (minutes
+    a program in float32); a wrong forward still fails the check."""
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    case, impls = attention.Case(1, 256, 2, 2, 64, True), features_gpu.impls
+
+    def with_a_wrong_one(*args, **kwargs):
+        return impls(*args, **kwargs) | {"wrong": lambda q, k, v, **arrays: v}
+
+    monkeypatch.setattr(features_gpu, "impls", with_a_wrong_one)
+    monkeypatch.setattr(features_gpu, "fwd_bwd", lambda fn: pytest.fail("a backward compiled"))
+    errors = features_gpu.check(case, "mask", backward=False)
+    assert errors["auto"] < 2e-2 < errors["wrong"]
+
+
 def test_features_benchmark_names_a_malformed_block():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "features_gpu.py"), "--blocks", "triton:bwd:32x64"],
