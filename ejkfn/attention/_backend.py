@@ -27,6 +27,7 @@ __all__ = [
     "band_pairs",
     "banded_tile",
     "DqLaunch",
+    "FLOAT32_FWD_CANDIDATES",
     "dq_launch",
     "forward_band",
     "on_host",
@@ -85,6 +86,15 @@ MIRRORED_WIDE = "mirrored_wide"
 PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE)
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
+# Forwards the portable tuners add for float32 inputs, whose products are FMAs with their operands
+# in registers: small blocks, on 4 or 8 warps, hold them with little or no spill (which of them
+# least depends on the head dim, the mask and the features; NOTES.md, fifty-second to fifty-fourth
+# rounds).
+FLOAT32_FWD_CANDIDATES = tuple(
+    FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
+    for bq, bk in ((16, 32), (32, 32), (32, 64))
+    for w in (4, 8)
+)
 
 
 class DqLaunch(NamedTuple):

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as pltriton
 from .._platform import on_cuda
 from .._registry import BwdParams, FwdParams
 from ._backend import (
+    FLOAT32_FWD_CANDIDATES,
     MIRRORED,
     MIRRORED_WIDE,
     AttentionBackend,
@@ -1011,10 +1012,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # -125249.json; causal it ran 0.62x). Above D = 128, 16 x 32 as Triton's (even with
         # 32 x 32 on 8 warps, -125503.json).
         rows = 16 if d > 128 else 32
-        fp = FwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
-        if 64 < d <= 128:
+        if d > 128:
+            fp = FwdParams(q_blocksize=16, kv_blocksize=32, num_warps=4, num_stages=2)
+        elif d > 64:
             fp = FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=2)
-        elif d <= 64 and not shape.spec.features:
+        elif shape.spec.features:
+            fp = FwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
+        else:
             fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=3)
         bp = BwdParams(q_blocksize=rows, kv_blocksize=32, num_warps=4, num_stages=2)
     fp = shrink_to_fit(shape, fp, lambda p: _fits_pass(shape, p, backward=False), _MIN_BLOCK)
@@ -1047,12 +1051,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bk in (64, 128)
         for s in (2, 3, 4)
     ]
-    if shape.dtype == "float32":  # blocks that hold FMA operands without spilling (heuristic)
-        fwds += [
-            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
-            for bq, bk in ((16, 32), (32, 32), (32, 64))
-            for w in (4, 8)
-        ]
+    if shape.dtype == "float32":
+        fwds += FLOAT32_FWD_CANDIDATES
     heur = heuristic(shape)
     if _fits(shape, *heur):
         out.append(heur)

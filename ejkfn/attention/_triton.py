@@ -35,6 +35,7 @@ import numpy as np
 from .._registry import BwdParams, FwdParams
 from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
+    FLOAT32_FWD_CANDIDATES,
     MIRRORED,
     MIRRORED_WIDE,
     PORTABLE_VARIANTS,
@@ -549,15 +550,9 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":
-        # float32 products run as FMAs on the CUDA cores, their operands in registers: the blocks
-        # above spill (the 16-bit heuristic's dK/dV kernel 91140 bytes a thread at D = 128), these
-        # spill little or nothing, which of them least depends on the mask and the features
-        # (triton_sass.py --dtype float32; NOTES.md, fifty-second to fifty-fourth rounds).
-        fwds += [
-            FwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=2)
-            for bq, bk in ((16, 32), (32, 32), (32, 64))
-            for w in (4, 8)
-        ]
+        # the 16-bit blocks above spill in float32 (the 16-bit heuristic's dK/dV kernel 91140
+        # bytes a thread at D = 128); small ones hold the FMA operands
+        fwds += FLOAT32_FWD_CANDIDATES
         bwds += [  # (32 x 64 on 8 warps, 2 stages, is among the 16-bit ones)
             BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
         ]
