@@ -62,12 +62,20 @@ class _Validated:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FwdParams(_Validated):
-    """Block sizes and launch parameters of a forward pass."""
+    """Block sizes and launch parameters of a forward pass.
+
+    ``kv_splits`` divides each query tile's keys among that many programs, whose partial results
+    merge by their log-sum-exps (flash decoding): it fills the GPU where few queries meet many keys.
+    Backends that do not split refuse more than 1.
+    """
+
+    _positive = (*_Validated._positive, "kv_splits")
 
     q_blocksize: int = 128
     kv_blocksize: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    kv_splits: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

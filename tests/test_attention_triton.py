@@ -475,6 +475,87 @@ def test_heuristic_blocks_with_a_feature(feature):
     assert blocks(128, False)[0].q_blocksize == 64
 
 
+# Decoding: a few query rows against many keys. Blocks of 16 keys split three ways (9 blocks at
+# 130 keys: three a program); where the call allows, the GQA group's heads fold into one head's rows.
+DECODING = {
+    "one_query_gqa_causal": dict(seq_q=1, seq_k=130, heads=8, kv_heads=2, causal=True),  # folds
+    "few_queries_gqa": dict(seq_q=3, seq_k=130, heads=4, kv_heads=2),  # folds
+    "few_queries_gqa_causal": dict(seq_q=3, seq_k=130, heads=4, kv_heads=2, causal=True),
+    "segments_mqa": dict(seq_q=4, seq_k=130, heads=4, kv_heads=1, segments=True),  # folds
+    "segments_unmatched": dict(seq_q=4, seq_k=130, segments="unmatched"),  # rows see no key
+    "window": dict(seq_q=4, seq_k=160, window=(40, 0), causal=True),  # most programs see no key
+    "soft_cap_mqa": dict(seq_q=1, seq_k=100, heads=4, kv_heads=1, soft_cap=5.0),  # folds
+    "bias_mask_dropout_gqa": dict(
+        seq_q=2, seq_k=96, heads=4, kv_heads=2, bias_shape=(1, 4, 2, 96),
+        mask_shape=(2, 1, 2, 96), dropout=0.2,
+    ),  # fmt: skip
+    "fewer_blocks_than_splits": dict(seq_q=1, seq_k=24, heads=2, kv_heads=1),
+}
+DECODING_FP = FwdParams(q_blocksize=16, kv_blocksize=16, kv_splits=3)
+
+
+@pytest.mark.parametrize("feature", sorted(DECODING))
+def test_decoding_splits_the_keys(feature):
+    """Each program attends to a third of the keys and the partial results merge by their
+    log-sum-exps: output, lse and the gradients (the backward's, on the merged lse) match the
+    reference, empty partials and rows too."""
+    args, dout, spec = _case(f"decoding-{feature}", **DECODING[feature])
+    _check(args, dout, spec, fp=DECODING_FP)
+
+
+def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypatch):
+    """One query (causal or not) or several without causal: the group's heads become rows of one
+    head, so each key block is read once for the group; with a bias, or causal rows at different
+    positions, not."""
+    launched = []
+    forward = tri._fwd
+    monkeypatch.setattr(tri, "_fwd", lambda q, *rest: launched.append(q.shape) or forward(q, *rest))
+    for name, kw, heads in (
+        ("one_query_gqa_causal", {}, 2),
+        ("few_queries_gqa", {}, 2),
+        ("few_queries_gqa_causal", {}, 4),
+        ("bias_mask_dropout_gqa", {}, 4),
+        ("few_queries_gqa", dict(window=(8, 8)), 4),
+    ):
+        args, _, spec = _case(f"decoding-{name}", **{**DECODING[name], **kw})
+        launched.clear()
+        tri.fwd(*args, spec=spec, params=DECODING_FP)
+        q = args[0]
+        folded = (q.shape[0], q.shape[1] * q.shape[2] // heads, heads, q.shape[3])
+        assert launched == [folded], name
+    # a group that does not fit one q block stays as it is
+    args, _, spec = _case("decoding-few_queries_gqa", **DECODING["few_queries_gqa"])
+    launched.clear()
+    tri.fwd(*args, spec=spec, params=FwdParams(q_blocksize=16, kv_blocksize=16, kv_splits=1))
+    wide = dict(DECODING["few_queries_gqa"], seq_q=9)  # 9 x 2 rows > 16
+    args, _, spec = _case("decoding-wide", **wide)
+    tri.fwd(*args, spec=spec, params=DECODING_FP)
+    assert launched == [(2, 6, 2, 32), (2, 9, 4, 32)]
+
+
+def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
+    """Decoding calls take one q block a head (the folded group's rows) and split the keys into
+    runs of at least four blocks, until about 256 programs run; other calls split nothing."""
+
+    def forward(batch, seq_q, seq_k, heads, kv_heads, dtype="bfloat16", **spec_kw):
+        spec = AttentionSpec(scale=0.1, **spec_kw)
+        shape = AttentionShape(
+            batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=128,
+            dtype=dtype, spec=spec,
+        )  # fmt: skip
+        p = tri.heuristic(shape)[0]
+        return p.q_blocksize, p.kv_blocksize, p.kv_splits
+
+    assert forward(1, 1, 32768, 32, 8, causal=True) == (16, 128, 32)  # 8 folded heads
+    assert forward(1, 1, 2048, 32, 8) == (16, 128, 4)  # four blocks a run at least
+    assert forward(4, 16, 16384, 32, 8) == (64, 128, 8)  # 64 folded rows
+    assert forward(4, 16, 16384, 32, 8, causal=True) == (16, 128, 2)  # 128 heads of 16 rows
+    assert forward(64, 1, 4096, 32, 8) == (16, 128, 1)  # 512 folded heads fill it already
+    assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
+    assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
+    assert forward(1, 65, 4096, 4, 4)[2] == 1
+
+
 def test_heuristic_params_under_vmap():
     """The heuristic's (large) blocks shrink to short sequences; vmap runs the callback per item."""
     args, dout, spec = _case("vmap", causal=True, heads=2, batch=1)
@@ -552,6 +633,8 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="dropout seed"):
         tri.fwd(*args, spec=AttentionSpec(scale=1.0, dropout_prob=0.5), params=FP)
     out, lse = tri.fwd(*args, spec=spec, params=FP)
+    with pytest.raises(ValueError, match="kv_splits=0"):
+        FwdParams(kv_splits=0)
     with pytest.raises(ValueError, match="variant='mosaic'"):
         tri.bwd(*args, out, lse, q, spec=spec, params=BwdParams(variant="mosaic"))
     # This process interprets; asking for compiled kernels says how to fix it.

@@ -45,6 +45,11 @@ _AUTO_ORDER = {
 _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
 # Pallas-Triton first where it ran faster on the float32 blocks of both (:func:`_float32_pallas_first`).
 _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
+# Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
+# the keys among programs and folds a GQA group's heads into one; on an H200 its heuristic ran
+# 0.99-2.34x cuDNN at seven decoding shapes, where the Mosaic forward ran 0.09-0.95x
+# (results/decode_NVIDIA_H200_20261129-142753.json).
+_AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -500,6 +505,8 @@ def _feature_cfg(
     None where no preference applies or the preferred backends cannot do the call."""
     if not _is_hopper() or shape.dtype == "float32":  # measured with 16-bit inputs
         return None
+    if _backend.decoding_rows(shape) is not None:  # measured on longer queries
+        return None
     bias = args[3]
     wide_bias = bias is not None and np.dtype(bias.dtype).itemsize > np.dtype(shape.dtype).itemsize
     pairs = _feature_backends(shape, wide_bias)
@@ -539,7 +546,7 @@ def _refusal(
     """Why ``backend`` cannot do this call (tracing both passes abstractly), or None if it can."""
     spec = shape.spec
     try:
-        backend.check(spec)
+        backend.check(spec, params[0])
         q, k, v, bias = args
         arrays = (
             q,
@@ -576,7 +583,7 @@ def _resolve(cfg: AttentionConfig, spec: AttentionSpec, shape: AttentionShape) -
         order = _variant_order(cfg.platform, shape)
         order.sort(key=lambda b: not _native(b))  # stable: native ones first
         backend = next((b for b in order if not spec.features & b.unsupported), order[0])
-    backend.check(spec)
+    backend.check(spec, cfg.fwd)
     return backend
 
 
@@ -752,6 +759,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
             pallas = _float32_pallas_first(shape)
             table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
+        if _backend.decoding_rows(shape) is not None:
+            order = list(_AUTO_ORDER_DECODING.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []

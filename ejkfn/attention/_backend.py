@@ -231,20 +231,65 @@ def segment_spans(q_seg: jax.Array, kv_seg: jax.Array) -> tuple[jax.Array, jax.A
     )
 
 
+def foldable(shape: AttentionShape) -> bool:
+    """Whether the forward may fold a GQA group's query heads into the rows of one head (it does
+    where all of a kv head's queries fit one q block: decoding): nothing in the call tells the
+    heads apart (a bias, a mask, dropout) or needs the rows' positions (causal beyond one query
+    row, a window)."""
+    spec = shape.spec
+    return (
+        shape.heads > shape.kv_heads
+        and not (spec.has_bias or spec.has_mask or spec.dropout_prob > 0.0)
+        and spec.window is None
+        and (shape.seq_q == 1 or not spec.causal)
+    )
+
+
+# A call whose heads hold at most this many query rows (after folding a GQA group) is decoding:
+# few queries against many keys, bound by reading the keys and values once.
+DECODE_ROWS = 64
+
+
+def decoding_rows(shape: AttentionShape) -> int | None:
+    """The query rows a head of a decoding call holds (its GQA group's queries where
+    :func:`foldable`), or None for a call with more than ``DECODE_ROWS``."""
+    group = shape.heads // shape.kv_heads
+    if foldable(shape) and shape.seq_q * group <= DECODE_ROWS:
+        return shape.seq_q * group
+    return shape.seq_q if shape.seq_q <= DECODE_ROWS else None
+
+
+def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Partial attention results over disjoint key ranges, ``out [N, B, Sq, H, D]`` (each
+    normalised over its own keys) and ``lse [N, B, H, Sq]``, combined into the whole range's (in
+    float32; rows that no range saw stay zero with lse -inf)."""
+    lse = lse.astype(jnp.float32)
+    total = jax.nn.logsumexp(lse, axis=0)
+    seen = jnp.isfinite(total)
+    weight = jnp.where(seen, jnp.exp(lse - jnp.where(seen, total, 0.0)), 0.0)  # [N, B, H, Sq]
+    weight = jnp.moveaxis(weight, 2, 3)[..., None]  # as [N, B, Sq, H, 1]
+    return (weight * out.astype(jnp.float32)).sum(axis=0), total
+
+
 def shrink_to_fit(
-    shape: AttentionShape, params: Any, fits: Callable[[Any], bool], min_block: int
+    shape: AttentionShape,
+    params: Any,
+    fits: Callable[[Any], bool],
+    min_block: int,
+    q_rows: int | None = None,
 ) -> Any:
     """``params`` (``FwdParams`` or ``BwdParams``) with blocks cut to the sequences' next powers of
-    two, then fewer stages, then halved blocks (the key block first) until ``fits(params)``, or as
-    small as ``min_block`` allows. Heuristics tuned for 16-bit tiles go through it: float32 tiles
-    are twice as large."""
+    two (the queries' to ``q_rows`` where a forward folds more rows into a head), then fewer
+    stages, then halved blocks (the key block first) until ``fits(params)``, or as small as
+    ``min_block`` allows. Heuristics tuned for 16-bit tiles go through it: float32 tiles are twice
+    as large."""
 
     def cut(block: int, seq: int) -> int:
         return min(block, max(min_block, 1 << max(0, seq - 1).bit_length()))
 
     p = dataclasses.replace(
         params,
-        q_blocksize=cut(params.q_blocksize, shape.seq_q),
+        q_blocksize=cut(params.q_blocksize, q_rows or shape.seq_q),
         kv_blocksize=cut(params.kv_blocksize, shape.seq_k),
     )
     while not fits(p):
@@ -276,6 +321,7 @@ class AttentionBackend:
         bwd_uses_residuals: whether ``bwd`` normalises with the ``out`` and ``lse`` it is given; ring
             attention passes the whole sequence's, so it needs this (cuDNN and dense XLA recompute
             their own).
+        splits_keys: whether ``fwd`` honours ``FwdParams.kv_splits`` (flash decoding).
     """
 
     platform: str
@@ -288,13 +334,20 @@ class AttentionBackend:
     candidates: Callable[[AttentionShape], Sequence[tuple[FwdParams, BwdParams]]]
     available: Callable[[], bool] = lambda: True
     bwd_uses_residuals: bool = True
+    splits_keys: bool = False
 
-    def check(self, spec: AttentionSpec) -> None:
-        """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks."""
+    def check(self, spec: AttentionSpec, fwd: FwdParams | None = None) -> None:
+        """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks,
+        or ``fwd``'s key split where it does not split."""
         missing = sorted(spec.features & self.unsupported)
         if missing:
             raise NotImplementedError(
                 f"platform {self.platform!r} ({self.variant}) does not support {', '.join(missing)}"
+            )
+        if fwd is not None and fwd.kv_splits > 1 and not self.splits_keys:
+            raise NotImplementedError(
+                f"platform {self.platform!r} ({self.variant}) does not split the keys "
+                f"(kv_splits={fwd.kv_splits}); the triton platform does"
             )
 
 

@@ -41,8 +41,11 @@ from ._backend import (
     PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
+    decoding_rows,
     dq_launch,
+    foldable,
     forward_band,
+    merge_partials,
     register_backend,
     segment_spans,
     shrink_to_fit,
@@ -285,17 +288,57 @@ def fwd(
     kernels in Triton's interpreter (default: when JAX has no GPU).
     """
     interpret = default_interpret(interpret)
+    group = q.shape[2] // k.shape[2]
+    if foldable(AttentionShape.of(q, k, spec)) and q.shape[1] * group <= params.q_blocksize:
+        # The group's queries become rows of one head: each key block is read once for all of them.
+        if spec.causal:  # one query row, at the last position: it sees every key either way
+            spec = dataclasses.replace(spec, causal=False)
+        q_rows = None if q_seg is None else jnp.repeat(q_seg, group, axis=1)
+        out, lse = _fwd(
+            fold_group(q, group), k, v, None, None, q_rows, kv_seg, seed, spec, params, interpret
+        )
+        return unfold_group(out, group), unfold_group_lse(lse, group)
+    return _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret)
+
+
+def fold_group(q: jax.Array, group: int) -> jax.Array:
+    """``[B, Sq, H, D]`` -> ``[B, Sq * group, H / group, D]``: row ``i * group + g`` is query ``i``
+    of head ``kv_head * group + g``."""
+    b, sq, h, d = q.shape
+    return q.reshape(b, sq, h // group, group, d).swapaxes(2, 3).reshape(b, sq * group, -1, d)
+
+
+def unfold_group(out: jax.Array, group: int) -> jax.Array:
+    """The inverse of :func:`fold_group`."""
+    b, rows, kvh, d = out.shape
+    return (
+        out.reshape(b, rows // group, group, kvh, d).swapaxes(2, 3).reshape(b, -1, kvh * group, d)
+    )
+
+
+def unfold_group_lse(lse: jax.Array, group: int) -> jax.Array:
+    """``[B, H / group, Sq * group]`` row statistics of a folded call as ``[B, H, Sq]``."""
+    b, kvh, rows = lse.shape
+    return lse.reshape(b, kvh, rows // group, group).swapaxes(2, 3).reshape(b, kvh * group, -1)
+
+
+def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret):
     call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
+    splits = min(params.kv_splits, _cdiv(call.seq_k, block_k))  # at least a block each
+    partial = splits > 1  # each split writes a float32 output and lse, merged below
+    out_dtype = jnp.float32 if partial else q.dtype
     kern = _kernels(interpret)
     out, lse = launch(
         kern.fwd_kernel,
         *call.inputs,
-        grid=(_cdiv(call.seq_q, block_q) * call.batch * call.heads,),  # numbered by _tile
+        grid=(_cdiv(call.seq_q, block_q) * call.batch * call.heads, splits),  # numbered by _tile
         out_shapes=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            call.row_stats,
+            jax.ShapeDtypeStruct((splits, *q.shape) if partial else q.shape, out_dtype),
+            jax.ShapeDtypeStruct((splits, *call.row_stats.shape), jnp.float32)
+            if partial
+            else call.row_stats,
         ),
         num_warps=params.num_warps,
         num_stages=call.stages(block_q, block_k, params.num_stages, resident=1, dkdv=False),
@@ -305,10 +348,16 @@ def fwd(
         SOS=call.meta["SQS"],
         SOH=call.meta["SQH"],
         BAND=forward_band(AttentionShape.of(q, k, spec), _cdiv(call.seq_q, block_q)),
+        KV_SPLITS=splits,
+        SOX=int(np.prod(q.shape)) if partial else 0,  # one partial result's size
+        SLX=int(np.prod(call.row_stats.shape)) if partial else 0,
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         BLOCK_D=call.block_d,
     )
+    if partial:
+        out, lse = merge_partials(out, lse)
+        out = out.astype(q.dtype)
     return out, lse
 
 
@@ -410,9 +459,10 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
     threads = 32 * p.num_warps
     if min(bq, bk) < _MIN_BLOCK:
         return False
-    if bq > max(_MIN_BLOCK, _next_pow2(shape.seq_q)) or bk > max(
-        _MIN_BLOCK, _next_pow2(shape.seq_k)
-    ):
+    rows = shape.seq_q
+    if not backward and foldable(shape) and shape.seq_q * (shape.heads // shape.kv_heads) <= bq:
+        rows *= shape.heads // shape.kv_heads  # the forward folds the GQA group into the rows
+    if bq > max(_MIN_BLOCK, _next_pow2(rows)) or bk > max(_MIN_BLOCK, _next_pow2(shape.seq_k)):
         return False  # a smaller block covers the sequence: same result, less work
     if not backward:
         smem = _smem_bytes(item, d, 1, bq, bk, stages)
@@ -466,6 +516,36 @@ def _float32_blocks(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     return FwdParams(q_blocksize=32, kv_blocksize=64, num_warps=warps, num_stages=2), bp
 
 
+# A decoding call's key splits: until about this many programs run (two a multiprocessor on an
+# H200). 256 ran 1.00-1.14x 512 at five of seven decoding shapes, 0.98x at 1x1:32768x32(8 kv)x128
+# (results/decode_NVIDIA_H200_20261129-142753.json).
+DECODE_PROGRAMS = 256
+DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
+
+
+def _decoding_params(shape: AttentionShape) -> FwdParams | None:
+    """The forward of a decoding call (:func:`._backend.decoding_rows`), or None for any other
+    call: one q block a head (its GQA group folded in where :func:`._backend.foldable`), the keys
+    split so that the programs fill the GPU. At 128-key blocks, 4 warps and 3 stages it ran
+    1.0-1.05x the other blocks tried at four of seven decoding shapes, 0.95x 64-key blocks at
+    8x1:8192x32(8 kv)x128 (the same results)."""
+    rows = decoding_rows(shape)
+    if rows is None:
+        return None
+    wide = shape.dtype != "float32" and _block_d(shape.head_dim) <= 128
+    kv_block = 128 if wide else 32
+    folded = rows > shape.seq_q
+    tiles = shape.batch * (shape.kv_heads if folded else shape.heads)
+    most = max(1, _cdiv(shape.seq_k, kv_block * DECODE_MIN_BLOCKS))
+    return FwdParams(
+        q_blocksize=max(_MIN_BLOCK, _next_pow2(rows)),
+        kv_blocksize=kv_block,
+        num_warps=4,
+        num_stages=3 if wide else 2,
+        kv_splits=max(1, min(most, DECODE_PROGRAMS // tiles)),
+    )
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
     # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
@@ -517,7 +597,14 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
     if shape.dtype == "float32":
         fp, bp = _float32_blocks(shape)
-    fp = shrink_to_fit(shape, fp, lambda p: _fits(shape, p, backward=False), _MIN_BLOCK)
+    decoding = _decoding_params(shape)
+    fp = shrink_to_fit(
+        shape,
+        decoding or fp,
+        lambda p: _fits(shape, p, backward=False),
+        _MIN_BLOCK,
+        q_rows=decoding and decoding.q_blocksize,
+    )
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
     return fp, bp
 
@@ -581,5 +668,6 @@ BACKEND = register_backend(
         heuristic=heuristic,
         candidates=candidates,
         available=_available,
+        splits_keys=True,
     )
 )

@@ -407,6 +407,9 @@ def fwd_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BAND: tl.constexpr,
+    KV_SPLITS: tl.constexpr,
+    SOX: tl.constexpr,
+    SLX: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -441,6 +444,15 @@ def fwd_kernel(
     if HAS_SEG:  # every block is masked (no SPLIT): full is lo
         lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
         full = lo
+    if KV_SPLITS > 1:  # flash decoding: this program takes one of KV_SPLITS runs of whole blocks
+        split = tl.program_id(1)
+        Out += split.to(tl.int64) * SOX  # and writes partial result ``split``
+        Lse += split.to(tl.int64) * SLX
+        n_blocks = (tl.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
+        run = (n_blocks + KV_SPLITS - 1) // KV_SPLITS * BLOCK_K
+        lo = lo + split * run  # lo stays a multiple of BLOCK_K; past hi the loops below are empty
+        hi = tl.minimum(hi, lo + run)
+        full = tl.minimum(tl.maximum(full, lo), hi)
     # Where q and key blocks differ in size (128 x 64, 64 x 128), the masked blocks (the causal
     # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
     # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,

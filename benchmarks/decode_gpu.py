@@ -1,0 +1,214 @@
+"""Attention with few queries against many keys (decoding from a key/value cache), on the GPU.
+
+A decoding step asks for ``seq_q`` new positions (1, or a few for speculative decoding) against
+the whole cache of ``seq_k`` keys, every key visible. The arithmetic is small; the time is the
+cache's bytes read once from HBM, so each row's figure of merit is its rate in GB/s of q, k, v
+and the output against the copy ceiling (``../shared/GPU.md``). For each shape this
+
+1. checks the output of each ejkfn platform on its heuristic config, of ``platform="auto"``, of
+   ``jax.nn.dot_product_attention``'s cuDNN and XLA paths, against a float32 reference;
+2. times those within ``MAX_ERROR`` interleaved (forward only: a decoding step has no backward);
+3. prints ms, GB/s and the ratio to the fastest, and saves the rows under ``--out``.
+
+    python3 benchmarks/decode_gpu.py [--shapes 1x1x32768x32x8x128,...] [--out DIR]
+        [--sweep 64x4x3xm2,...] [--skip xla/chunked,...]
+
+A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from attention import check_then_time, save_rows
+
+import ejkfn
+from ejkfn import FwdParams
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+
+SHAPES = (
+    "1x1x32768x32x8x128,8x1x8192x32x8x128,64x1x4096x32x8x128,"
+    "1x1x131072x32x8x128,4x16x16384x32x8x128,16x1x8192x32x32x128,8x1x8192x16x16x64"
+)
+MAX_ERROR = 2e-2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    dim: int
+
+    @classmethod
+    def parse(cls, text: str) -> DecodeCase:
+        try:
+            b, sq, sk, h, kvh, d = (int(x) for x in text.split("x"))
+        except ValueError:
+            raise ValueError(f"shape {text!r} is not BxSQxSKxHxKVHxD") from None
+        return cls(b, sq, sk, h, kvh, d)
+
+    @property
+    def name(self) -> str:
+        gqa = f"({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
+        return f"{self.batch}x{self.seq_q}:{self.seq_k}x{self.heads}{gqa}x{self.dim}"
+
+    def flops(self, backward: bool) -> float:
+        assert not backward
+        return 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.dim
+
+    def bytes(self, itemsize: int = 2) -> float:
+        """q and out once each, k and v once each: the least any kernel reads and writes."""
+        rows = self.batch * (2 * self.seq_q * self.heads + 2 * self.seq_k * self.kv_heads)
+        return float(rows * self.dim * itemsize)
+
+    def inputs(self, seed: int) -> tuple[jax.Array, ...]:
+        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+        kv_shape = (self.batch, self.seq_k, self.kv_heads, self.dim)
+        return (
+            jax.random.normal(kq, (self.batch, self.seq_q, self.heads, self.dim), jnp.bfloat16),
+            jax.random.normal(kk, kv_shape, jnp.bfloat16),
+            jax.random.normal(kv, kv_shape, jnp.bfloat16),
+        )
+
+
+def sweep_params(base: FwdParams, text: str) -> FwdParams:
+    """``"BKxWxSxN"``: ``base`` (a heuristic's forward) with kv_blocksize ``BK``, ``W`` warps, ``S``
+    stages and ``N`` key splits, ``N`` either a count or ``mF``, ``F`` times ``base``'s."""
+    try:
+        bk, warps, stages, splits = text.split("x")
+        n = (
+            max(1, round(base.kv_splits * float(splits[1:])))
+            if splits.startswith("m")
+            else int(splits)
+        )
+        return dataclasses.replace(
+            base, kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages), kv_splits=n
+        )
+    except ValueError:
+        raise ValueError(f"sweep item {text!r} is not BKxWxSxN (N a count or mF)") from None
+
+
+def impls(
+    case: DecodeCase, sweep: tuple[str, ...] = (), skip: frozenset[str] = frozenset()
+) -> dict[str, Callable[..., jax.Array]]:
+    """name -> ``(q, k, v) -> out`` jitted: every native ejkfn backend on its heuristic config (the
+    Triton forward also with each of ``sweep``'s changes, :func:`sweep_params`), ``auto``, and
+    ``jax.nn.dot_product_attention``'s cuDNN and XLA paths (GQA by its own broadcast); none whose
+    name ends with one in ``skip``."""
+    q, k, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
+    shape = AttentionShape.of(q, k, AttentionSpec(scale=case.dim**-0.5))
+    kind = ejkfn.device_kind()
+    out: dict[str, Callable[..., jax.Array]] = {}
+    for backend in registered_backends():
+        if kind not in backend.devices or not backend.available():
+            continue
+        try:
+            fp, bp = backend.heuristic(shape)
+        except NotImplementedError:
+            continue
+        name = f"ejkfn {backend.platform}/{backend.variant}"
+        cfgs = {name: fp}
+        if backend.splits_keys:
+            cfgs |= {f"{name} {item}": sweep_params(fp, item) for item in sweep}
+        for label, params in cfgs.items():
+            cfg = AttentionConfig(
+                platform=backend.platform, variant=backend.variant, fwd=params, bwd=bp
+            )
+            out[label] = jax.jit(lambda q, k, v, cfg=cfg: ejkfn.flash_attention(q, k, v, cfg=cfg))
+    out["ejkfn auto"] = jax.jit(lambda q, k, v: ejkfn.flash_attention(q, k, v))
+    for implementation in ("cudnn", "xla"):
+        out[f"jax.nn {implementation}"] = jax.jit(
+            lambda q, k, v, implementation=implementation: jax.nn.dot_product_attention(
+                q, k, v, implementation=implementation
+            )
+        )
+    return {n: fn for n, fn in out.items() if not any(n.endswith(x) for x in skip)}
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    group = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+    return jax.nn.dot_product_attention(q.astype(jnp.float32), k, v, implementation="xla")
+
+
+def measure(
+    case: DecodeCase,
+    calls: int,
+    rounds: int,
+    sweep: tuple[str, ...] = (),
+    skip: frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
+    sets = [case.inputs(seed) for seed in (0, 1)]
+    want = jax.jit(reference)(*sets[0])
+    fns = impls(case, sweep, skip)
+    fns = {"reference": lambda q, k, v: want, **fns}  # the baseline check_then_time compares to
+    rows = check_then_time(
+        case, False, fns, "reference", sets, calls, rounds, max_error=MAX_ERROR, warmup=2
+    )
+    rows = [r for r in rows if r["impl"] != "reference"]
+    fastest = min((r["ms"] for r in rows if "ms" in r), default=float("nan"))
+    for r in rows:
+        r["error"] = r.pop("max_rel_err_vs_reference", r.get("error"))
+        if "ms" in r:
+            r["gb_per_s"] = case.bytes() / r["ms"] / 1e6
+            r["vs_fastest"] = fastest / r["ms"]
+            r.pop("vs_reference", None)
+    return rows
+
+
+def line(r: dict[str, Any]) -> str:
+    if "ms" not in r:
+        return f"| {r['case']} | {r['impl']} | not timed: {str(r.get('error'))[:120]} | | |"
+    return (
+        f"| {r['case']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['gb_per_s']:.0f} |"
+        f" {r['vs_fastest']:.3f} | {r['error']:.1e} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=SHAPES)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument(
+        "--sweep", default="", help="Triton forwards to add, comma-separated BKxWxSxN (N: splits)"
+    )
+    parser.add_argument("--skip", default="", help="rows to leave out, comma-separated names")
+    args = parser.parse_args()
+    try:
+        cases = [DecodeCase.parse(s) for s in args.shapes.split(",")]
+    except ValueError as exc:
+        parser.error(f"--shapes: {exc}")
+    sweep = tuple(filter(None, args.sweep.split(",")))
+    for item in sweep:
+        try:
+            sweep_params(FwdParams(), item)
+        except ValueError as exc:
+            parser.error(f"--sweep: {exc}")
+    skip = frozenset(filter(None, args.skip.split(",")))
+    rows: list[dict[str, Any]] = []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    print("| case | impl | us | GB/s | vs fastest | error |\n|---|---|---|---|---|---|")
+    for case in cases:
+        done = measure(case, args.calls, args.rounds, sweep, skip)
+        print("\n".join(line(r) for r in done), flush=True)
+        rows += done
+        if args.out:
+            save_rows(args.out, "decode", rows, stamp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
