@@ -486,9 +486,14 @@ DECODING = {
     "window": dict(seq_q=4, seq_k=160, window=(40, 0), causal=True),  # most programs see no key
     "soft_cap_mqa": dict(seq_q=1, seq_k=100, heads=4, kv_heads=1, soft_cap=5.0),  # folds
     "bias_mask_dropout_gqa": dict(
-        seq_q=2, seq_k=96, heads=4, kv_heads=2, bias_shape=(1, 4, 2, 96),
-        mask_shape=(2, 1, 2, 96), dropout=0.2,
-    ),  # fmt: skip
+        seq_q=2,
+        seq_k=96,
+        heads=4,
+        kv_heads=2,
+        bias_shape=(1, 4, 2, 96),
+        mask_shape=(2, 1, 2, 96),
+        dropout=0.2,
+    ),
     "fewer_blocks_than_splits": dict(seq_q=1, seq_k=24, heads=2, kv_heads=1),
 }
 DECODING_FP = FwdParams(q_blocksize=16, kv_blocksize=16, kv_splits=3)
