@@ -1255,32 +1255,37 @@ def test_only_the_triton_platform_splits_the_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    ("seq_q", "heads", "kv_heads", "causal", "decoding"),
+    ("batch", "seq_q", "heads", "kv_heads", "causal", "platform"),
     [
-        (1, 32, 8, True, True),  # one query: its GQA group of 4 folds to 4 rows
-        (16, 32, 8, False, True),  # 64 rows folded
-        (16, 32, 8, True, True),  # causal: 16 rows a head, not folded
-        (32, 32, 8, False, True),  # 128 rows folded, past DECODE_ROWS: 32 a head unfolded
-        (65, 32, 8, False, False),
-        (128, 16, 16, True, False),
+        (2, 1, 32, 8, True, "triton"),  # one query: its GQA group of 4 folds to 4 rows
+        (1, 1, 32, 8, True, "xla"),  # one query of one sequence, 8 x 8192 keys
+        (1, 1, 128, 128, False, "triton"),  # 128 x 8192 keys
+        (1, 2, 32, 8, False, "triton"),
+        (2, 16, 32, 8, False, "triton"),  # 64 rows folded
+        (2, 16, 32, 8, True, "triton"),  # causal: 16 rows a head, not folded
+        (2, 32, 32, 8, False, "triton"),  # 128 rows folded, past DECODE_ROWS: 32 a head unfolded
+        (2, 65, 32, 8, False, "pallas"),
+        (2, 128, 16, 16, True, "pallas"),
     ],
 )
 def test_auto_decodes_on_triton_on_gpus(
+    batch: int,
     seq_q: int,
     heads: int,
     kv_heads: int,
     causal: bool,
-    decoding: bool,
+    platform: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A call with few queries against many keys runs on Triton's key-splitting forward on a GPU
-    (on an H200 it ran 0.99-2.34x cuDNN there, the Mosaic forward 0.09-0.95x); others keep
-    cuDNN and Mosaic first."""
+    (on an H200 it ran 0.99-2.59x cuDNN there, the Mosaic forward 0.09-0.95x), one query of one
+    sequence against few keys on XLA's dense attention; others keep cuDNN (on Hopper the Mosaic
+    forward) first."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
     monkeypatch.setattr(_api, "_is_hopper", lambda: True)
-    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("cudnn", "pallas", "triton"))
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform != "cpu")
     refusal = _api._refusal
     monkeypatch.setattr(  # neither compiled Triton nor cuDNN traces off a CUDA GPU
         _api,
@@ -1288,9 +1293,10 @@ def test_auto_decodes_on_triton_on_gpus(
         lambda b, *call: None if b.platform in ("triton", "cudnn") else refusal(b, *call),
     )
     kernel = FlashAttention()
-    q = jax.ShapeDtypeStruct((2, seq_q, heads, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 8192, kv_heads, 128), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((batch, seq_q, heads, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((batch, 8192, kv_heads, 128), jnp.bfloat16)
     cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, q, k, k, causal=causal))
-    assert (cfg.platform == "triton") == decoding
-    if decoding:
-        assert cfg.fwd.kv_splits > 1 and cfg.inference is None
+    assert cfg.platform == platform
+    assert (cfg.fwd.kv_splits > 1) == (platform == "triton")
+    if platform == "xla":  # not the chunked variant, which ran 18x slower there
+        assert cfg.variant == "dense"

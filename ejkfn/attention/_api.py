@@ -50,6 +50,12 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # 0.99-2.34x cuDNN at seven decoding shapes, where the Mosaic forward ran 0.09-0.95x
 # (results/decode_NVIDIA_H200_20261129-142753.json).
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
+# One query of one sequence against at most this many keys over all kv heads: there XLA's dense
+# attention ran 1.19-1.46x Triton's split forward (1x1:32768x32(8 kv)x128 in three runs, 65536
+# keys, 32768 keys of 8 heads) and even at 16384; at 2^20 keys 0.78-0.84x, at batch 2 0.38x
+# (results/decode_NVIDIA_H200_20261129-142753.json, -143452.json, -143838.json).
+_DECODING_XLA_KEYS = 2**19
+_AUTO_ORDER_DECODING_XLA = {"gpu": ("xla", "triton", "cudnn", "pallas")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -760,7 +766,14 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
             table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
         if _backend.decoding_rows(shape) is not None:
-            order = list(_AUTO_ORDER_DECODING.get(kind, order))
+            one = shape.batch == shape.seq_q == 1
+            keys = shape.kv_heads * shape.seq_k
+            table = (
+                _AUTO_ORDER_DECODING_XLA
+                if one and keys <= _DECODING_XLA_KEYS
+                else _AUTO_ORDER_DECODING
+            )
+            order = list(table.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from .._registry import BwdParams, FwdParams
-from ._backend import AttentionBackend, AttentionShape, register_backend
+from ._backend import AttentionBackend, AttentionShape, decoding_rows, register_backend
 from ._dropout import keep_mask, keep_scale
 from ._spec import AttentionSpec
 
@@ -480,9 +480,12 @@ _TILE_LIMIT = 1 << 24
 
 
 def preferred_variant(shape: AttentionShape) -> str:
-    """``dense`` for short sequences, ``chunked`` when the scores would be large."""
+    """``dense`` for short sequences and for decoding (few queries: the chunked scan over the keys
+    ran 18x slower there, results/decode_NVIDIA_H200_20261129-142044.json), ``chunked`` when the
+    scores would be large."""
     scores = shape.batch * shape.heads * shape.seq_q * shape.seq_k
-    return "dense" if shape.seq_k <= 2048 and scores <= _DENSE_LIMIT else "chunked"
+    short = shape.seq_k <= 2048 or decoding_rows(shape) is not None
+    return "dense" if short and scores <= _DENSE_LIMIT else "chunked"
 
 
 def _dense_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
