@@ -46,16 +46,12 @@ _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
 # Pallas-Triton first where it ran faster on the float32 blocks of both (:func:`_float32_pallas_first`).
 _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
-# the keys among programs and folds a GQA group's heads into one; on an H200 its heuristic ran
-# 0.99-2.34x cuDNN at seven decoding shapes, where the Mosaic forward ran 0.09-0.95x
-# (results/decode_NVIDIA_H200_20261129-142753.json).
+# the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.97-2.5x
+# cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-0.95x
+# (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json). At one query of one sequence
+# against up to 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.93x and 1.07x
+# in a third: calls of 50-120 us, within what the host's launches move from run to run.
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
-# One query of one sequence against at most this many keys over all kv heads: there XLA's dense
-# attention ran 1.19-1.46x Triton's split forward (1x1:32768x32(8 kv)x128 in three runs, 65536
-# keys, 32768 keys of 8 heads) and even at 16384; at 2^20 keys 0.78-0.84x, at batch 2 0.38x
-# (results/decode_NVIDIA_H200_20261129-142753.json, -143452.json, -143838.json).
-_DECODING_XLA_KEYS = 2**19
-_AUTO_ORDER_DECODING_XLA = {"gpu": ("xla", "triton", "cudnn", "pallas")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -766,14 +762,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
             table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
         if _backend.decoding_rows(shape) is not None:
-            one = shape.batch == shape.seq_q == 1
-            keys = shape.kv_heads * shape.seq_k
-            table = (
-                _AUTO_ORDER_DECODING_XLA
-                if one and keys <= _DECODING_XLA_KEYS
-                else _AUTO_ORDER_DECODING
-            )
-            order = list(table.get(kind, order))
+            order = list(_AUTO_ORDER_DECODING.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
         reasons: list[str] = []
