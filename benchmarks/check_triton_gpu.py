@@ -91,7 +91,7 @@ def rel(got, want):
 def check(name, *, batch=2, seq_q=2048, seq_k=None, heads=8, kv_heads=None, dim=128,
           dtype=jnp.bfloat16, bias=None, mask=False, segments=False, dropout=0.0, **spec_kw):  # fmt: skip
     seq_k = (seq_k or seq_q) // SMALL
-    seq_q //= SMALL
+    seq_q = max(1, seq_q // SMALL)
     kv_heads = kv_heads or heads
     args, dout = operands(zlib.crc32(name.encode()), batch, seq_q, seq_k, heads, kv_heads, dim, dtype,
                           bias, mask, segments, dropout)  # fmt: skip
@@ -290,6 +290,25 @@ CHECKS = [
     ("bf16 D256 causal", dict(dim=256, seq_q=1024, causal=True)),
     ("f16 causal", dict(dtype=jnp.float16, causal=True)),
     ("f32 causal S1024", dict(dtype=jnp.float32, seq_q=1024, causal=True)),
+    # decoding: the heuristic splits the keys among programs, folding GQA groups where it can
+    (
+        "decode GQA 32/8 q1 k32768 causal",
+        dict(batch=4, seq_q=1, seq_k=32768, heads=32, kv_heads=8, causal=True),
+    ),
+    ("decode GQA 32/8 q16 k16384", dict(seq_q=16, seq_k=16384, heads=32, kv_heads=8)),
+    ("decode q16 k16384 causal", dict(seq_q=16, seq_k=16384, causal=True)),
+    (
+        "decode GQA q4 k8192 segments soft cap",
+        dict(seq_q=4, seq_k=8192, kv_heads=2, segments=True, soft_cap=30.0),
+    ),
+    (
+        "decode q2 k8192 window bias mask dropout",
+        dict(
+            seq_q=2, seq_k=8192, causal=True, window=(1024, 0), bias=(1, 8), mask=True, dropout=0.1
+        ),
+    ),
+    ("decode f32 MQA q1 k8192", dict(dtype=jnp.float32, seq_q=1, seq_k=8192, kv_heads=1)),
+    ("decode D64 MQA q1 k65536", dict(dim=64, batch=1, seq_q=1, seq_k=65536, kv_heads=1)),
 ]
 
 
@@ -300,6 +319,9 @@ def main():
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--small", action="store_true", help="tiny sizes (a CPU dry run)")
     parser.add_argument("--skip", nargs="*", default=[], help="skip checks whose name has these")
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="run only checks whose name has these"
+    )
     a = parser.parse_args()
     global SMALL
     SMALL = 16 if a.small else 1
@@ -307,7 +329,9 @@ def main():
     print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
     RESULTS["device"] = dev.device_kind
     for i, (name, kw) in enumerate(CHECKS):
-        if any(word in name for word in a.skip):
+        if any(word in name for word in a.skip) or (
+            a.only and not any(word in name for word in a.only)
+        ):
             continue
         if i >= 3 and elapsed() > a.budget * 0.45:
             print(f"SKIP {name} (time budget)", flush=True)

@@ -819,3 +819,24 @@ def test_features_benchmark_passes_a_features_arrays_as_arguments():
                 jax.jit(lambda q, k, v: fn(q, k, v, **arrays))(q, k, v)
     finally:
         jax.config.update("jax_captured_constants_warn_bytes", before)
+
+
+def test_decode_benchmark_checks_times_and_saves(tmp_path):
+    """decode_gpu.py on the CPU: the backends native there (XLA's) and ``auto``, checked against
+    the reference, timed and saved; a bad shape or sweep item is refused naming it."""
+    out = _run("decode_gpu.py", "--shapes", "2x1x256x4x2x32", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "decode_*.json")["rows"]
+    assert {r["impl"] for r in rows} >= {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
+    assert all(r["error"] < 2e-2 and r["gb_per_s"] > 0 for r in rows), rows
+    assert "| 2x1:256x4(2 kv)x32 | ejkfn auto |" in out
+    _run("decode_gpu.py", "--shapes", "2x1x256x4", returncode=2)
+    (decode_gpu,) = _benchmark_modules("decode_gpu")
+    from ejkfn import FwdParams
+
+    base = FwdParams(q_blocksize=16, kv_blocksize=128, kv_splits=8)
+    assert decode_gpu.sweep_params(base, "64x4x3xm0.5") == FwdParams(
+        q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=3, kv_splits=4
+    )
+    assert decode_gpu.sweep_params(base, "128x8x2x3").kv_splits == 3
+    with pytest.raises(ValueError, match="64x4"):
+        decode_gpu.sweep_params(base, "64x4")

@@ -46,8 +46,8 @@ _AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
 # Pallas-Triton first where it ran faster on the float32 blocks of both (:func:`_float32_pallas_first`).
 _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
-# the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.97-2.5x
-# cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-0.95x
+# the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.96-2.5x
+# cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-1.01x
 # (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json). At one query of one sequence
 # against up to 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.93x and 1.07x
 # in a third: calls of 50-120 us, within what the host's launches move from run to run.
