@@ -538,6 +538,34 @@ def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypa
     assert launched == [(2, 6, 2, 32), (2, 9, 4, 32)]
 
 
+def test_decoding_runs_under_vmap_and_tunes_its_splits():
+    """The split forward batches under vmap (the merge is XLA's); the tuner tries the decoding
+    forward with half and twice the splits, 64-key blocks and fewer stages."""
+    args, _, spec = _case("decoding-vmap", **DECODING["one_query_gqa_causal"])
+    q, k, v = args[:3]
+    stack = lambda x: jnp.stack([x, -0.5 * x])
+
+    def attend(q, k, v):
+        return tri.fwd(q, k, v, None, None, None, None, None, spec=spec, params=DECODING_FP)[0]
+
+    out = jax.jit(jax.vmap(attend))(stack(q), stack(k), stack(v))
+    reference = jax.jit(lambda q, k, v: reference_attention(q, k, v, spec=spec)[0])
+    for i, scale in enumerate((1.0, -0.5)):
+        _close(f"vmap[{i}]", out[i], reference(scale * q, scale * k, scale * v), TOL[jnp.float32])
+    shape = AttentionShape(
+        batch=1, seq_q=1, seq_k=32768, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16",
+        spec=spec,
+    )  # fmt: skip
+    cands = tri.candidates(shape)
+    fwds = [fp for fp, _ in cands]
+    heur = fwds[0]
+    assert len(set(cands)) == len(cands) and heur.kv_splits == 32
+    assert {(fp.kv_blocksize, fp.num_stages, fp.kv_splits) for fp in fwds} >= {
+        (128, 3, 16), (128, 3, 64), (64, 3, 32), (64, 4, 32), (128, 2, 32)
+    }  # fmt: skip
+    assert all(fp.q_blocksize == 16 for fp in fwds)
+
+
 def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     """Decoding calls take one q block a head (the folded group's rows) and split the keys into
     runs of at least four blocks, until about 256 programs run; other calls split nothing."""

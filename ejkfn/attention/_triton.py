@@ -649,6 +649,13 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         bwds += [  # (32 x 64 on 8 warps, 2 stages, is among the 16-bit ones)
             BwdParams(q_blocksize=bq, kv_blocksize=32, num_warps=4, num_stages=2) for bq in (16, 32)
         ]
+    if _decoding_params(shape) is not None:
+        # decoding: the heuristic's forward with half and twice the splits, 64-key blocks, fewer
+        # stages (each within 0-14% of it somewhere in results/decode_NVIDIA_H200_20261129-142753.json)
+        splits = {max(1, heur_f.kv_splits // 2), heur_f.kv_splits * 2}
+        fwds = [dataclasses.replace(heur_f, kv_splits=n) for n in sorted(splits)]
+        fwds += [dataclasses.replace(heur_f, kv_blocksize=64, num_stages=s) for s in (3, 4)]
+        fwds += [dataclasses.replace(heur_f, num_stages=2)]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
     out += [(heur_f, b) for b in bwds if b != heur_b and _fits(shape, b, backward=True)]
