@@ -289,7 +289,8 @@ def fwd(
     """
     interpret = default_interpret(interpret)
     group = q.shape[2] // k.shape[2]
-    if foldable(AttentionShape.of(q, k, spec)) and q.shape[1] * group <= params.q_blocksize:
+    folds = foldable(AttentionShape.of(q, k, spec)) and bias is None and mask is None
+    if folds and q.shape[1] * group <= params.q_blocksize:
         # The group's queries become rows of one head: each key block is read once for all of them.
         if spec.causal:  # one query row, at the last position: it sees every key either way
             spec = dataclasses.replace(spec, causal=False)
@@ -517,7 +518,8 @@ def _float32_blocks(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
 
 # A decoding call's key splits: until about this many programs run (two a multiprocessor on an
-# H200). 256 ran 1.00-1.14x 512 at five of seven decoding shapes, 0.98x at 1x1:32768x32(8 kv)x128
+# H200). 256 ran 1.02-1.14x 512 at four of seven decoding shapes and 0.98x at
+# 1x1:32768x32(8 kv)x128; at the other two both counts split nothing
 # (results/decode_NVIDIA_H200_20261129-142753.json).
 DECODE_PROGRAMS = 256
 DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
@@ -526,9 +528,9 @@ DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     """The forward of a decoding call (:func:`._backend.decoding_rows`), or None for any other
     call: one q block a head (its GQA group folded in where :func:`._backend.foldable`), the keys
-    split so that the programs fill the GPU. At 128-key blocks, 4 warps and 3 stages it ran
-    1.0-1.05x the other blocks tried at four of seven decoding shapes, 0.95x 64-key blocks at
-    8x1:8192x32(8 kv)x128 (the same results)."""
+    split so that the programs fill the GPU. 128-key blocks on 4 warps and 3 stages ran within 5%
+    of the fastest blocks tried at 6 of 7 and 10 of 11 decoding shapes in two runs (0.92x and 0.94x
+    at the others; results/decode_NVIDIA_H200_20261129-142753.json, -143452.json)."""
     rows = decoding_rows(shape)
     if rows is None:
         return None
