@@ -309,6 +309,11 @@ CHECKS = [
     ),
     ("decode f32 MQA q1 k8192", dict(dtype=jnp.float32, seq_q=1, seq_k=8192, kv_heads=1)),
     ("decode D64 MQA q1 k65536", dict(dim=64, batch=1, seq_q=1, seq_k=65536, kv_heads=1)),
+    ("decode D256 GQA q3 k16384", dict(dim=256, seq_q=3, seq_k=16384, kv_heads=2)),
+    (
+        "decode f16 GQA q1 k16384 causal",
+        dict(dtype=jnp.float16, seq_q=1, seq_k=16384, kv_heads=2, causal=True),
+    ),
 ]
 
 
