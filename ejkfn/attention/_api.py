@@ -49,8 +49,8 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.96-2.5x
 # cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-1.01x
 # (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json). At one query of one sequence
-# against up to 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.93x and 1.07x
-# in a third: calls of 50-120 us, within what the host's launches move from run to run.
+# against up to 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.87-1.07x in a
+# third: calls of 50-120 us, within what the host's launches move from run to run.
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
