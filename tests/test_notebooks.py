@@ -60,6 +60,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "gradient finite: True",
         "max |d capped - d by hand| = ",
         "window    -> xla/dense",
+        "max |split in 4 - xla| = ",
     ),
 }
 # Rich outputs each notebook must show.
