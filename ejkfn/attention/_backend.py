@@ -250,13 +250,18 @@ def foldable(shape: AttentionShape) -> bool:
 DECODE_ROWS = 64
 
 
+def folded_rows(shape: AttentionShape, q_block: int) -> int:
+    """The query rows a head holds in a forward on ``q_block``-row blocks: its GQA group's queries
+    where :func:`foldable` and they fit one block, else its own."""
+    rows = shape.seq_q * (shape.heads // shape.kv_heads)
+    return rows if foldable(shape) and rows <= q_block else shape.seq_q
+
+
 def decoding_rows(shape: AttentionShape) -> int | None:
-    """The query rows a head of a decoding call holds (its GQA group's queries where
-    :func:`foldable`), or None for a call with more than ``DECODE_ROWS``."""
-    group = shape.heads // shape.kv_heads
-    if foldable(shape) and shape.seq_q * group <= DECODE_ROWS:
-        return shape.seq_q * group
-    return shape.seq_q if shape.seq_q <= DECODE_ROWS else None
+    """The query rows a head of a decoding call holds (:func:`folded_rows`), or None for a call
+    with more than ``DECODE_ROWS``."""
+    rows = folded_rows(shape, DECODE_ROWS)
+    return rows if rows <= DECODE_ROWS else None
 
 
 def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

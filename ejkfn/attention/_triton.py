@@ -43,7 +43,7 @@ from ._backend import (
     AttentionShape,
     decoding_rows,
     dq_launch,
-    foldable,
+    folded_rows,
     forward_band,
     merge_partials,
     register_backend,
@@ -289,8 +289,8 @@ def fwd(
     """
     interpret = default_interpret(interpret)
     group = q.shape[2] // k.shape[2]
-    folds = foldable(AttentionShape.of(q, k, spec)) and bias is None and mask is None
-    if folds and q.shape[1] * group <= params.q_blocksize:
+    rows = folded_rows(AttentionShape.of(q, k, spec), params.q_blocksize)
+    if rows > q.shape[1] and bias is None and mask is None:
         # The group's queries become rows of one head: each key block is read once for all of them.
         if spec.causal:  # one query row, at the last position: it sees every key either way
             spec = dataclasses.replace(spec, causal=False)
@@ -460,9 +460,7 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
     threads = 32 * p.num_warps
     if min(bq, bk) < _MIN_BLOCK:
         return False
-    rows = shape.seq_q
-    if not backward and foldable(shape) and shape.seq_q * (shape.heads // shape.kv_heads) <= bq:
-        rows *= shape.heads // shape.kv_heads  # the forward folds the GQA group into the rows
+    rows = shape.seq_q if backward else folded_rows(shape, bq)
     if bq > max(_MIN_BLOCK, _next_pow2(rows)) or bk > max(_MIN_BLOCK, _next_pow2(shape.seq_k)):
         return False  # a smaller block covers the sequence: same result, less work
     if not backward:
