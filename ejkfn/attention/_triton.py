@@ -599,10 +599,10 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
     if decoding is not None and shape.dtype != "float32":
-        # The mirrored dQ kernel would keep 128 rows for a few queries and stream 16 keys on 8
-        # warps: on an H200 its dQ came out wrong with a window, a bias, a mask and dropout together
-        # (relative error 1.6-2.6 at 2 and 16 queries of 8192 keys; each pair of them, and 2048
-        # queries, right). Plain blocks keep the queries' 16 rows.
+        # The mirrored dQ kernel would keep 128 rows for a few queries (clamped to 16) and stream
+        # 16 keys on 8 warps; plain blocks keep the queries' rows and stream 64 keys. (Its dQ came
+        # out wrong with a mask and dropout together, a fault of 16 x 16 tiles since mended in
+        # _keep_tile; these blocks were checked right with every feature.)
         bp = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
     fp = shrink_to_fit(
         shape,

@@ -30,6 +30,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 _GOLDEN = tl.constexpr(0x9E3779B1)
 _M1 = tl.constexpr(0x7FEB352D)
 _M2 = tl.constexpr(0x846CA68B)
+_PAIR_HASH_MIN_KEYS = tl.constexpr(32)  # narrower key blocks hash every score (``_keep_tile``)
 
 
 @triton.jit
@@ -70,7 +71,15 @@ def _keep_tile(
 ):  # fmt: skip
     """``_keep`` of the ``[rows, col0 + arange(BLOCK_K)]`` tile (``col0`` even), one hash a pair
     of columns: interleaved, the halves land where a wgmma accumulator holds neighbouring columns,
-    so this costs no data movement (the loops' SASS: 0.6x ``_keep``'s dropout instructions)."""
+    so this costs no data movement (the loops' SASS: 0.6x ``_keep``'s dropout instructions).
+
+    Blocks narrower than ``_PAIR_HASH_MIN_KEYS`` hash every score: Triton 3.6's build of the
+    interleave on 16-row, 16-key tiles beside a mask tile's load gave wrong outputs and dQ on an
+    H200 (relative error 1.2-2.3, any warps or stages; the interpreter right, and every score
+    hashed right; benchmarks/NOTES.md, fifty-sixth round)."""
+    if BLOCK_K < _PAIR_HASH_MIN_KEYS:
+        cols = col0 + tl.arange(0, BLOCK_K)
+        return _keep(key, b, h, rows[:, None], cols[None, :], HEADS, SEQ_Q, THRESH)
     row = _row(b, h, rows, HEADS, SEQ_Q)
     pairs = (col0 // 2 + tl.arange(0, BLOCK_K // 2)).to(tl.uint32)
     bits = _mix32((row[:, None] * _GOLDEN + pairs[None, :]) ^ key)
