@@ -587,8 +587,7 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
     assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
     assert forward(1, 65, 4096, 4, 4)[2] == 1
-    # the backward keeps the queries' 16 rows (a mirrored dQ kernel streaming 16 keys on 8 warps
-    # computed a wrong dQ on an H200 with a window, a bias, a mask and dropout together)
+    # the backward keeps the queries' 16 rows and streams 64 keys on 4 warps
     spec = AttentionSpec(scale=0.1, causal=True, window=(64, 0), has_bias=True, dropout_prob=0.1)
     shape = AttentionShape(
         batch=2, seq_q=2, seq_k=8192, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16",
