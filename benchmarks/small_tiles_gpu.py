@@ -189,6 +189,38 @@ def cases(fenced):
         )
 
 
+def tune_both_builds(small, pair_hash):
+    """The tuner on the faulty tile and a right one, with the faulty build and with this one, at
+    16 queries of 8192 keys with all four features, forward and backward timed: the faulty
+    candidate must fail its output check. Also the tune's seconds without the check."""
+    import ejkfn
+    from ejkfn.attention import AttentionConfig, FlashAttention
+
+    args, _ = operands(7, 2, 16, 8192 // small, 8, 8, 128, jnp.bfloat16, (1, 8), True, False, 0.1)
+    q, k, v, b, m, _, _, seed = args
+    kernel = FlashAttention(platform="triton")
+    call = dict(attention_mask=m, dropout_seed=seed, dropout_prob=0.1, causal=True,
+                sliding_window=(1024, 0))  # fmt: skip
+    inv = ejkfn.Invocation.of(kernel, q, k, v, b, **call)
+    forward = kernel.heuristic_cfg(inv).fwd
+    candidates = [
+        AttentionConfig(platform="triton", fwd=forward, bwd=BwdParams(**dict(zip(
+            ("q_blocksize", "kv_blocksize", "num_warps", "num_stages"), tile, strict=True))))
+        for tile in (FAULTY, (16, 64, 4, 2))
+    ]  # fmt: skip
+    rows = []
+    for build, checked in (("pair hash", True), ("this tree", True), ("this tree", False)):
+        tuner = ejkfn.Tuner(warmup=1, iters=6, progress=False, check_outputs=checked)
+        modules = pair_hash if build == "pair hash" else tri._KERNELS
+        with mock.patch.object(tri, "_KERNELS", modules):
+            report = tuner.tune(inv, candidates, validate_backward=True)
+        print(f"tune, {build}, outputs checked={checked}: {report.seconds:.1f} s", flush=True)
+        print(report.table(), flush=True)
+        rows.append(dict(build=build, checked=checked, seconds=report.seconds,
+                         table=report.table()))  # fmt: skip
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -196,6 +228,9 @@ def main():
     parser.add_argument("--only", default="", help="run only cases whose name has this")
     parser.add_argument("--fence", action="store_true", help="also the faulty launch, fenced")
     parser.add_argument("--fenced", action="store_true", help="only the faulty launch (the child)")
+    parser.add_argument(
+        "--tune", action="store_true", help="also tune the faulty tile and a right one"
+    )
     a = parser.parse_args()
     small = 16 if a.small else 1
     t0 = time.time()
@@ -215,6 +250,8 @@ def main():
             print(f"ERROR {name}: {exc!r}"[:400], flush=True)
             rows.append(dict(name=name, ok=False, error=repr(exc)[:400]))
     result = dict(device=jax.devices()[0].device_kind, fenced=a.fenced, cases=rows)
+    if a.tune:
+        result["tunes"] = tune_both_builds(small, pair_hash or pair_hash_kernels())
     if a.fence and jax.default_backend() == "gpu":
         # The same faulty launch with one async-proxy fence a pass in the dQ kernel's loops.
         env = dict(os.environ, EJKFN_ADD_FENCES="bwd_dq_kernel",

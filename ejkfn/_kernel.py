@@ -85,6 +85,16 @@ class Kernel(eqx.Module, Generic[Cfg, Out]):
             return self.candidate_cfgs(inv)
         return [self.heuristic_cfg(inv)]
 
+    def reference_kernel(self, inv: Invocation) -> Kernel | None:
+        """A configured kernel whose outputs on ``inv``'s arguments the tuner checks every
+        candidate's against (default: this kernel on its heuristic config; None: not checked).
+        Kernels with a plainer implementation (e.g. attention's XLA platform) return that."""
+        try:
+            cfg = self.heuristic_cfg(inv)
+        except NotImplementedError:
+            return None
+        return self.with_cfg(cfg)
+
     def prepare(self, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Normalise arguments before keys are built and the kernel runs (default: unchanged)."""
         return args, kwargs

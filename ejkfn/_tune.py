@@ -185,7 +185,7 @@ class CandidateResult:
     cfg: Any
     seconds: float | None = None
     error: str | None = None
-    phase: str | None = None  # "compile" or "run" when it failed
+    phase: str | None = None  # "compile", "check" (wrong outputs) or "run" when it failed
 
     @property
     def ok(self) -> bool:
@@ -194,13 +194,16 @@ class CandidateResult:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TuneReport:
-    """What a tune measured. ``best`` is ``None`` when every candidate failed."""
+    """What a tune measured. ``best`` is ``None`` when every candidate failed. ``reference`` is the
+    config whose outputs every candidate's were checked against (``None``: not checked; the notes
+    say why)."""
 
     best: Any
     results: tuple[CandidateResult, ...]
     backward: bool
     seconds: float
     notes: tuple[str, ...] = ()
+    reference: Any = None
 
     @property
     def failures(self) -> tuple[CandidateResult, ...]:
@@ -215,12 +218,60 @@ class TuneReport:
             t = f"{r.seconds * 1e3:10.4f}" if r.ok else f"{'failed':>10}"
             why = "" if r.ok else f"  ({r.phase}: {r.error})"
             lines.append(f"{t}{mark} {r.cfg!r}{why}")
+        if self.reference is not None:
+            lines.append(f"outputs checked against {self.reference!r}")
         return "\n".join(lines)
 
 
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     return text[0][:300] if text else type(exc).__name__
+
+
+def _default_tolerance(outputs: Any) -> float:
+    """0.1 where any floating output has 16 bits or fewer, else 0.02 (:attr:`Tuner.check_tolerance`)."""
+    widths = [np.dtype(o.dtype).itemsize for o in jax.tree.leaves(outputs) if _inexact(o)]
+    return 0.1 if widths and min(widths) <= 2 else 0.02
+
+
+def _inexact(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+@jax.jit
+def _leaf_errors(got: list[jax.Array], want: list[jax.Array]) -> jax.Array:
+    """``max |got - want| / max |want|`` of each pair of floating leaves (NaN where a NaN appears
+    in one but not the other); a pair of other leaves: 0 where equal, else infinity."""
+    errors = []
+    for g, w in zip(got, want, strict=True):
+        if not _inexact(w):
+            errors.append(jnp.where(jnp.array_equal(g, w), 0.0, jnp.inf))
+            continue
+        g, w = g.astype(jnp.float32), w.astype(jnp.float32)
+        nan_apart = jnp.any(jnp.isnan(g) != jnp.isnan(w))
+        both = ~(jnp.isnan(g) | jnp.isnan(w))
+        diff = jnp.max(jnp.where(both, jnp.abs(g - w), 0.0), initial=0.0)
+        scale = jnp.maximum(jnp.max(jnp.where(both, jnp.abs(w), 0.0), initial=0.0), 1e-30)
+        errors.append(jnp.where(nan_apart, jnp.nan, diff / scale))
+    return jnp.stack(errors) if errors else jnp.zeros((0,))
+
+
+def _relative_error(got: Any, want: Any) -> tuple[float, int]:
+    """The largest of :func:`_leaf_errors` over the outputs, and the index of its leaf."""
+    got_leaves, got_tree = jax.tree.flatten(got)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    if got_tree != want_tree or any(
+        g.shape != w.shape for g, w in zip(got_leaves, want_leaves, strict=True)
+    ):
+        raise ValueError(
+            f"outputs shaped {jax.tree.map(jnp.shape, got)} where the reference's are "
+            f"{jax.tree.map(jnp.shape, want)}"
+        )
+    errors = np.asarray(_leaf_errors(got_leaves, want_leaves))
+    if not errors.size:
+        return 0.0, -1
+    worst = int(np.argmax(np.where(np.isnan(errors), np.inf, errors)))
+    return float(errors[worst]), worst
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -250,6 +301,15 @@ class Tuner:
             themselves, with ``runoff_iters`` calls each, and chosen on those times: where two are
             within a reading's noise of each other, more calls decide (0: no runoff).
         runoff_iters: timed calls of each runoff candidate (``None``: twice ``iters``).
+        check_outputs: before timing, run each candidate once on the tuning inputs and compare its
+            outputs (and gradients, when the backward is timed) with the kernel's reference
+            (:meth:`Kernel.reference_kernel`); one that differs by more than ``check_tolerance``
+            fails in phase ``"check"`` and is not timed. A fast config that computes garbage must
+            never win a tune: on an H200 one Triton attention tile computed wrong gradients only in
+            its compiled form (benchmarks/NOTES.md, fifty-sixth round).
+        check_tolerance: the largest ``max |got - want| / max |want|`` of any output allowed
+            (``None``: 0.1 where the reference has a 16-bit float output, else 0.02; generous
+            enough for two correct kernels' rounding, far below a wrong one's error of order 1).
         compile_threads: threads compiling candidates ahead of timing (``None``: up to the CPU count).
         progress: show a progress bar; ``None`` shows one only on tunes that take more than 2 s.
         seed: for the random inputs.
@@ -266,6 +326,8 @@ class Tuner:
     max_seconds_per_call: float | None = None
     runoff: float = 0.0
     runoff_iters: int | None = None
+    check_outputs: bool = True
+    check_tolerance: float | None = None
     compile_threads: int | None = None
     progress: bool | None = None
     seed: int = 0
@@ -285,6 +347,8 @@ class Tuner:
             raise ValueError(f"runoff must be a fraction >= 0; got {self.runoff=}")
         if self.runoff_iters is not None and self.runoff_iters < 1:
             raise ValueError(f"runoff_iters must be >= 1 or None; got {self.runoff_iters=}")
+        if self.check_tolerance is not None and not 0 < self.check_tolerance < float("inf"):
+            raise ValueError(f"check_tolerance must be > 0 or None; got {self.check_tolerance=}")
 
     @property
     def settling_seconds(self) -> float:
@@ -335,6 +399,56 @@ class Tuner:
             raise seconds
         return seconds
 
+    def _reference_kernel(self, inv: Invocation, notes: list[str]) -> Kernel | None:
+        """The configured kernel whose outputs candidates are checked against, or None (noted)."""
+        if not self.check_outputs:
+            return None
+        try:
+            reference = inv.kernel.reference_kernel(inv)
+        except Exception as exc:
+            notes.append(f"outputs not checked: no reference ({_short(exc)})")
+            return None
+        if reference is None:
+            notes.append(f"outputs not checked: {inv.kernel.name} has no reference")
+        return reference
+
+    def _check_outputs(
+        self,
+        checking: concurrent.futures.Future[Any],
+        reference: Kernel,
+        timed_args: tuple[Any, ...],
+        candidates: list[Any],
+        compiled: dict[int, Any],
+        results: dict[int, CandidateResult],
+        notes: list[str],
+    ) -> bool:
+        """Run the reference and each compiled candidate once; drop (from ``compiled``, into
+        ``results``) those that raise or whose outputs differ from the reference's. Whether the
+        reference ran (else nothing was checked, as ``notes`` says)."""
+        try:
+            want = _block(checking.result()(*timed_args))
+        except Exception as exc:
+            notes.append(
+                f"outputs not checked: the reference {reference.cfg!r} failed ({_short(exc)})"
+            )
+            return False
+        tolerance = self.check_tolerance or _default_tolerance(want)
+        for i in sorted(compiled):
+            try:
+                error, leaf = _relative_error(_block(compiled[i](*timed_args)), want)
+            except Exception as exc:
+                results[i] = CandidateResult(candidates[i], error=_short(exc), phase="run")
+                del compiled[i]
+                continue
+            if not error <= tolerance:  # NaN fails
+                why = (
+                    f"outputs differ from the reference's ({reference.cfg!r}): max |got - want| / "
+                    f"max |want| = {error:.3g} at output {leaf}, over the tolerance {tolerance:g}"
+                )
+                results[i] = CandidateResult(candidates[i], error=why, phase="check")
+                del compiled[i]
+        return True
+
     def tune(
         self, inv: Invocation, candidates: Sequence[Any], *, validate_backward: bool = False
     ) -> TuneReport:
@@ -361,9 +475,12 @@ class Tuner:
                 backward = False
                 notes.append(f"backward not timed, forward only ({_short(exc)})")
 
-        def build(cfg: Any) -> Callable[..., Any]:
-            fn = (_forward_and_backward if backward else _forward)(kernel, cfg, static)
+        def build(configured: Kernel) -> Callable[..., Any]:
+            program = _forward_and_backward if backward else _forward
+            fn = program(configured, configured.cfg, static)
             return jax.jit(fn).lower(*timed_args).compile()
+
+        reference = self._reference_kernel(inv, notes)
 
         from tqdm import tqdm  # the terminal bar: tqdm.auto warns in notebooks without widgets
 
@@ -378,7 +495,10 @@ class Tuner:
         results: dict[int, CandidateResult] = {}
         threads = self.compile_threads or min(len(candidates), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-            futures = {pool.submit(build, cfg): i for i, cfg in enumerate(candidates)}
+            futures = {
+                pool.submit(build, kernel.with_cfg(cfg)): i for i, cfg in enumerate(candidates)
+            }
+            checking = pool.submit(build, reference) if reference is not None else None
             for fut in concurrent.futures.as_completed(futures):
                 i = futures[fut]
                 try:
@@ -386,6 +506,9 @@ class Tuner:
                 except Exception as exc:
                     results[i] = CandidateResult(candidates[i], error=_short(exc), phase="compile")
                 bar.update(1)
+            checked = checking is not None and self._check_outputs(
+                checking, reference, timed_args, candidates, compiled, results, notes
+            )
         fns = {i: functools.partial(compiled[i], *timed_args) for i in sorted(compiled)}
         timed = self.timings(fns)
         runoff = self.runoff_timings(fns, timed)
@@ -405,7 +528,9 @@ class Tuner:
         ordered = tuple(results[i] for i in range(len(candidates)))
         ok = [r for r in ordered if r.ok]
         best = min(ok, key=lambda r: r.seconds).cfg if ok else None
-        return TuneReport(best, ordered, backward, time.perf_counter() - start, tuple(notes))
+        seconds = time.perf_counter() - start
+        reference_cfg = reference.cfg if checked and reference is not None else None
+        return TuneReport(best, ordered, backward, seconds, tuple(notes), reference_cfg)
 
 
 def _forward(kernel: Kernel, cfg: Any, static: Any) -> Callable[[list[Any]], Any]:

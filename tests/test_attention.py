@@ -909,6 +909,7 @@ def test_select_with_tuner_picks_a_candidate(key: jax.Array) -> None:
     assert decision.tier == "autotune"
     assert decision.cfg in candidates
     assert len(decision.tune.results) == len(candidates)
+    assert decision.tune.reference.platform == "xla" and not decision.tune.failures
     assert before.lookup(inv.key) is None  # the input caches are unchanged
     assert after.lookup(inv.key) == ("memory", decision.cfg)
     out = _jit(functools.partial(kernel.with_cfg(decision.cfg), causal=True))(q, k, v)

@@ -461,6 +461,85 @@ def test_ambient_session_sugar():
     assert ejkfn.current_session().policy.allow_heuristics is True
 
 
+class WrongAtBlockOne(Scale):
+    """Block 1 runs without the row loop, so it is the fastest, and computes ``3 x``."""
+
+    name = "wrong_at_block_one"
+
+    def run(self, x, *, cfg):
+        return x * 3 if cfg.block == 1 else super().run(x, cfg=cfg)
+
+
+def test_a_candidate_with_wrong_outputs_fails_its_check_and_is_not_timed():
+    report = FAST.tune(inv_of(WrongAtBlockOne()), [ScaleCfg(block=1), ScaleCfg(block=2)])
+    assert report.best == ScaleCfg(block=2) and report.reference == ScaleCfg(block=8)
+    [failure] = report.failures
+    assert failure.cfg == ScaleCfg(block=1) and failure.phase == "check"
+    assert "0.5 at output 0" in failure.error  # |3x - 2x| / |2x|
+    assert "outputs checked against ScaleCfg(block=8)" in report.table()
+
+
+def test_unchecked_tunes_time_every_candidate_and_say_so():
+    inv = inv_of(WrongAtBlockOne())
+    unchecked = ejkfn.Tuner(warmup=0, iters=1, check_outputs=False)
+    report = unchecked.tune(inv, [ScaleCfg(block=1), ScaleCfg(block=2)])
+    assert report.reference is None and not report.failures
+    # a tolerance above the error lets it through; a kernel whose reference fails is not checked
+    loose = ejkfn.Tuner(warmup=0, iters=1, check_tolerance=0.6)
+    assert not loose.tune(inv, [ScaleCfg(block=1)]).failures
+    report = FAST.tune(inv_of(Broken()), [ScaleCfg(block=2)])
+    assert report.reference is None and report.best == ScaleCfg(block=2)
+    assert any(
+        "outputs not checked: the reference ScaleCfg(block=8) failed" in n for n in report.notes
+    )
+    with pytest.raises(ValueError, match="check_tolerance=-1.0"):
+        ejkfn.Tuner(check_tolerance=-1.0)
+
+
+class WrongGradientAtBlockOne(Scale):
+    """Block 1's gradient is zero; every block's output is right."""
+
+    name = "wrong_gradient_at_block_one"
+
+    def run(self, x, *, cfg):
+        if cfg.block != 1:
+            return super().run(x, cfg=cfg)
+
+        @jax.custom_vjp
+        def scaled(x):
+            return x * self.factor
+
+        scaled.defvjp(lambda x: (x * self.factor, None), lambda _, g: (jnp.zeros_like(g),))
+        return scaled(x)
+
+
+def test_a_wrong_gradient_fails_the_check_where_the_backward_is_timed():
+    inv = inv_of(WrongGradientAtBlockOne())
+    candidates = [ScaleCfg(block=1), ScaleCfg(block=2)]
+    assert not FAST.tune(inv, candidates).failures  # the forward alone is right
+    [failure] = FAST.tune(inv, candidates, validate_backward=True).failures
+    assert failure.cfg == ScaleCfg(block=1) and failure.phase == "check"
+    assert "= 1 at output 1" in failure.error  # the gradient: |0 - 2| / 2
+
+
+def test_output_errors_tell_nans_and_integers_apart():
+    nan = jnp.asarray([1.0, jnp.nan])
+    assert _tune._relative_error([nan], [nan]) == (0.0, 0)  # NaN where the reference has it
+    error, _ = _tune._relative_error([jnp.asarray([1.0, 2.0])], [nan])
+    assert np.isnan(error)
+    assert _tune._relative_error([jnp.arange(3)], [jnp.arange(3)]) == (0.0, 0)
+    assert _tune._relative_error(
+        [jnp.ones(2), jnp.arange(3)], [jnp.ones(2), jnp.zeros(3, int)]
+    ) == (
+        float("inf"),
+        1,
+    )
+    with pytest.raises(ValueError, match="reference's are"):
+        _tune._relative_error([jnp.ones(2)], [jnp.ones(3)])
+    assert _tune._default_tolerance([jnp.ones(2, jnp.bfloat16), jnp.ones(2)]) == 0.1
+    assert _tune._default_tolerance([jnp.ones(2), jnp.arange(2)]) == 0.02
+
+
 def test_validate_backward_times_forward_and_backward():
     d, _ = tiers(inv_of(), ejkfn.Caches(), policy=ejkfn.AutotunePolicy(validate_backward=True))
     assert d.tune.backward is True and d.tune.notes == ()

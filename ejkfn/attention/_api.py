@@ -803,6 +803,12 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         backend = self._platform_backends(shape)[0]
         return _config(backend, backend.heuristic(shape))
 
+    def reference_kernel(self, inv: Invocation) -> FlashAttention:
+        """The XLA platform on its heuristic config (dense, or chunked where the scores would not
+        fit): the tuner checks every candidate's outputs and gradients against it."""
+        xla = _kernel("xla")
+        return self.with_cfg(xla.heuristic_cfg(inv))
+
     def candidate_cfgs(self, inv: Invocation) -> Sequence[AttentionConfig]:
         """Configs to tune: every candidate of every backend that can do the call."""
         shape, args, kwargs = self._call_of(inv)
