@@ -853,3 +853,10 @@ def test_small_tiles_checks_the_fixed_kernels_beside_the_faulty_build(tmp_path):
     assert "PASS pair hash forward q16 all four, (16, 16, 4, 2)" in out
     cases = _saved(tmp_path, "small_tiles.json")["cases"]
     assert [c["backend"] for c in cases] == ["triton", "pair-hash", "pallas"]
+
+
+def test_tune_check_reports_each_backends_largest_error(tmp_path):
+    out = _run("tune_check_gpu.py", "--cpu-smoke", "--out", str(tmp_path))
+    assert "xla/dense          largest error 0.00e+00  (the reference's own) ok" in out
+    [case] = _saved(tmp_path, "tune_check.json")["cases"]
+    assert 0 < case["worst"]["xla/chunked"] < case["tolerance"] and not case["not_checked"]

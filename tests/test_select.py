@@ -492,7 +492,7 @@ def test_unchecked_tunes_time_every_candidate_and_say_so():
     assert any(
         "outputs not checked: the reference ScaleCfg(block=8) failed" in n for n in report.notes
     )
-    with pytest.raises(ValueError, match="check_tolerance=-1.0"):
+    with pytest.raises(ValueError, match=r"check_tolerance=-1\.0"):
         ejkfn.Tuner(check_tolerance=-1.0)
 
 
