@@ -45,7 +45,7 @@ CASES = {
     "1x2048x16x128 f32 causal": ("1x2048x16x128", "float32", dict(causal=True)),
 }
 SMOKE = {"1x64x2x16 causal": ("1x64x2x16", "float32", dict(causal=True))}
-ERROR = re.compile(r"= ([0-9.e+-]+|nan|inf) at output (\d+)")
+ERROR = re.compile(r"by ([0-9.e+-]+|nan|inf) at output (\d+)")
 
 
 def operands(shape: str, dtype: str, options: dict) -> tuple[tuple, dict]:

@@ -442,8 +442,8 @@ class Tuner:
                 continue
             if not error <= tolerance:  # NaN fails
                 why = (
-                    f"outputs differ from the reference's ({reference.cfg!r}): max |got - want| / "
-                    f"max |want| = {error:.3g} at output {leaf}, over the tolerance {tolerance:g}"
+                    f"outputs differ from the reference's ({reference.cfg!r}) by {error:.3g} at "
+                    f"output {leaf} (max |got - want| / max |want|; tolerance {tolerance:g})"
                 )
                 results[i] = CandidateResult(candidates[i], error=why, phase="check")
                 del compiled[i]

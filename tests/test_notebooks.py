@@ -40,6 +40,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "gives the same: True",
         "answered by: autotune | timed backward: True",
         "configured: SoftmaxCfg(block_rows=",
+        "failed: [(2, 'check')]",
         "ejkfn.notebook_softmax.h",
     ),
     "03_offline_tuning": (

@@ -475,7 +475,7 @@ def test_a_candidate_with_wrong_outputs_fails_its_check_and_is_not_timed():
     assert report.best == ScaleCfg(block=2) and report.reference == ScaleCfg(block=8)
     [failure] = report.failures
     assert failure.cfg == ScaleCfg(block=1) and failure.phase == "check"
-    assert "0.5 at output 0" in failure.error  # |3x - 2x| / |2x|
+    assert "by 0.5 at output 0" in failure.error  # |3x - 2x| / |2x|
     assert "outputs checked against ScaleCfg(block=8)" in report.table()
 
 
@@ -519,7 +519,7 @@ def test_a_wrong_gradient_fails_the_check_where_the_backward_is_timed():
     assert not FAST.tune(inv, candidates).failures  # the forward alone is right
     [failure] = FAST.tune(inv, candidates, validate_backward=True).failures
     assert failure.cfg == ScaleCfg(block=1) and failure.phase == "check"
-    assert "= 1 at output 1" in failure.error  # the gradient: |0 - 2| / 2
+    assert "by 1 at output 1" in failure.error  # the gradient: |0 - 2| / 2
 
 
 def test_output_errors_tell_nans_and_integers_apart():
