@@ -100,19 +100,49 @@ def margins(name: str, shape: str, dtype: str, options: dict, per_backend: int) 
     )  # fmt: skip
 
 
+def overhead(shape: str, dtype: str, options: dict, per_backend: int) -> dict:
+    """Seconds of one tune (forward and backward timed) of the first candidates of each backend,
+    without the output check, with it, and without it again: what the check adds to a tune."""
+    kernel = FlashAttention()
+    args, call = operands(shape, dtype, options)
+    inv = ejkfn.Invocation.of(kernel, *args, **call)
+    by_backend = collections.defaultdict(list)
+    for cfg in kernel.candidate_cfgs(inv):
+        by_backend[(cfg.platform, cfg.variant)].append(cfg)
+    chosen = [c for cfgs in by_backend.values() for c in cfgs[:per_backend]]
+    seconds = {}
+    for run, checked in (("unchecked", False), ("checked", True), ("unchecked again", False)):
+        tuner = ejkfn.Tuner(warmup=1, iters=5, progress=False, check_outputs=checked)
+        report = tuner.tune(inv, chosen, validate_backward=True)
+        seconds[run] = report.seconds
+        print(f"  {len(chosen)} candidates, {run}: {report.seconds:.1f} s "
+              f"(best {report.best.platform}/{report.best.variant})", flush=True)  # fmt: skip
+    return dict(shape=shape, candidates=len(chosen), seconds=seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="", help="cases whose name has this")
     parser.add_argument("--per-backend", type=int, default=6)
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument(
+        "--overhead", action="store_true", help="also time tunes with and without the check"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     a = parser.parse_args()
     cases = SMOKE if a.cpu_smoke else CASES
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}", flush=True)
     rows = [margins(name, *case, a.per_backend) for name, case in cases.items() if a.only in name]
+    costs = []
+    if a.overhead:
+        for name, case in cases.items():
+            if a.only in name:
+                print(f"{name}: tune seconds", flush=True)
+                costs.append(overhead(*case, a.per_backend))
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "tune_check.json"), "w") as f:
-        json.dump(dict(device=jax.devices()[0].device_kind, cases=rows), f, indent=1)
+        result = dict(device=jax.devices()[0].device_kind, cases=rows, overhead=costs)
+        json.dump(result, f, indent=1)
     over = [r["name"] for r in rows if any(e > r["tolerance"] for e in r["worst"].values())]
     print(f"over the tolerance: {over or 'none'}", flush=True)
 
