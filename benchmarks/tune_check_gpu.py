@@ -8,9 +8,10 @@ of 1e-12, which fails every candidate with its error in the reason, over up to `
 candidates of each backend, forward and backward, and prints the largest error of each backend
 beside the default tolerance. Nothing is timed.
 
-    python3 benchmarks/tune_check_gpu.py [--shapes 2x4096x16x128,...] [--per-backend 6] [--out DIR]
+    python3 benchmarks/tune_check_gpu.py [--only TEXT] [--per-backend 6] [--overhead] [--out DIR]
 
-``--cpu-smoke`` runs tiny shapes (XLA's variants only on a CPU).
+``--overhead`` also times three tunes of the same candidates, unchecked, checked and unchecked
+again: what the check adds. ``--cpu-smoke`` runs tiny shapes (XLA's variants only on a CPU).
 """
 
 from __future__ import annotations

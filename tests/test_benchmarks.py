@@ -856,7 +856,10 @@ def test_small_tiles_checks_the_fixed_kernels_beside_the_faulty_build(tmp_path):
 
 
 def test_tune_check_reports_each_backends_largest_error(tmp_path):
-    out = _run("tune_check_gpu.py", "--cpu-smoke", "--out", str(tmp_path))
+    out = _run("tune_check_gpu.py", "--cpu-smoke", "--overhead", "--out", str(tmp_path))
     assert "xla/dense          largest error 0.00e+00  (the reference's own) ok" in out
-    [case] = _saved(tmp_path, "tune_check.json")["cases"]
+    saved = _saved(tmp_path, "tune_check.json")
+    [case] = saved["cases"]
     assert 0 < case["worst"]["xla/chunked"] < case["tolerance"] and not case["not_checked"]
+    [cost] = saved["overhead"]
+    assert set(cost["seconds"]) == {"unchecked", "checked", "unchecked again"}
