@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -66,18 +67,23 @@ def operands(shape: str, dtype: str, options: dict) -> tuple[tuple, dict]:
     return (q, k, v, bias), call
 
 
-def margins(name: str, shape: str, dtype: str, options: dict, per_backend: int) -> dict:
+def sampled(shape: str, dtype: str, options: dict, per_backend: int) -> tuple[Any, list[Any]]:
+    """The ``auto`` call's invocation and the first ``per_backend`` candidates of each backend."""
     kernel = FlashAttention()
     args, call = operands(shape, dtype, options)
     inv = ejkfn.Invocation.of(kernel, *args, **call)
     by_backend = collections.defaultdict(list)
     for cfg in kernel.candidate_cfgs(inv):
         by_backend[(cfg.platform, cfg.variant)].append(cfg)
-    chosen = [c for cfgs in by_backend.values() for c in cfgs[:per_backend]]
+    return inv, [c for cfgs in by_backend.values() for c in cfgs[:per_backend]]
+
+
+def margins(name: str, shape: str, dtype: str, options: dict, per_backend: int) -> dict:
+    inv, chosen = sampled(shape, dtype, options, per_backend)
     tuner = ejkfn.Tuner(warmup=0, iters=1, progress=False, check_tolerance=1e-12)
     t0 = time.perf_counter()
     report = tuner.tune(inv, chosen, validate_backward=True)
-    tolerance = _tune._default_tolerance(args[0])
+    tolerance = _tune._default_tolerance(inv.args[0])
     worst: dict[str, float] = {}
     other: list[str] = []
     for r in report.results:
@@ -104,13 +110,7 @@ def margins(name: str, shape: str, dtype: str, options: dict, per_backend: int) 
 def overhead(shape: str, dtype: str, options: dict, per_backend: int) -> dict:
     """Seconds of one tune (forward and backward timed) of the first candidates of each backend,
     without the output check, with it, and without it again: what the check adds to a tune."""
-    kernel = FlashAttention()
-    args, call = operands(shape, dtype, options)
-    inv = ejkfn.Invocation.of(kernel, *args, **call)
-    by_backend = collections.defaultdict(list)
-    for cfg in kernel.candidate_cfgs(inv):
-        by_backend[(cfg.platform, cfg.variant)].append(cfg)
-    chosen = [c for cfgs in by_backend.values() for c in cfgs[:per_backend]]
+    inv, chosen = sampled(shape, dtype, options, per_backend)
     seconds = {}
     for run, checked in (("unchecked", False), ("checked", True), ("unchecked again", False)):
         tuner = ejkfn.Tuner(warmup=1, iters=5, progress=False, check_outputs=checked)
