@@ -599,10 +599,10 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
     if decoding is not None and shape.dtype != "float32":
-        # The mirrored dQ kernel would keep 128 rows for a few queries (clamped to 16) and stream
-        # 16 keys on 8 warps; plain blocks keep the queries' rows and stream 64 keys. (Its dQ came
-        # out wrong with a mask and dropout together, a fault of 16 x 16 tiles since mended in
-        # _keep_tile; these blocks were checked right with every feature.)
+        # The rule above would give the dQ kernel 16 x 16 tiles here (its rows clamped to the
+        # queries). Plain blocks keep the queries' rows and stream 64 keys: forward+backward at
+        # 2x16:8192x8x128 with every feature they ran 0.194 ms where 16 x 16 tiles on 8 warps ran
+        # 0.244 ms (results/small_tiles_tune_NVIDIA_H200_20261129-171500.json).
         bp = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
     fp = shrink_to_fit(
         shape,
