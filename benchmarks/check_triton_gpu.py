@@ -314,6 +314,24 @@ CHECKS = [
         "decode f16 GQA q1 k16384 causal",
         dict(dtype=jnp.float16, seq_q=1, seq_k=16384, kv_heads=2, causal=True),
     ),
+    # folded causal rows: row r of a group of G is query r // G for the causal and window limits
+    (
+        "decode GQA 32/8 q32 k16384 causal window segments",
+        dict(
+            seq_q=32,
+            seq_k=16384,
+            heads=32,
+            kv_heads=8,
+            causal=True,
+            window=(4096, 0),
+            segments=True,
+        ),
+    ),
+    (
+        "decode GQA 24/8 q40 k8192 causal",
+        dict(seq_q=40, seq_k=8192, heads=24, kv_heads=8, causal=True),
+    ),
+    ("decode q128 k32768 causal", dict(batch=1, seq_q=128, seq_k=32768, causal=True)),
 ]
 
 

@@ -7,13 +7,17 @@ and the output against the copy ceiling (``../shared/GPU.md``). For each shape t
 
 1. checks the output of each ejkfn platform on its heuristic config, of ``platform="auto"``, of
    ``jax.nn.dot_product_attention``'s cuDNN and XLA paths, against a float32 reference;
-2. times those within ``MAX_ERROR`` interleaved (forward only: a decoding step has no backward);
-3. prints ms, GB/s and the ratio to the fastest, and saves the rows under ``--out``.
+2. times those within ``MAX_ERROR`` interleaved (the forward; with ``--backward`` the forward
+   and the gradients, checked too: cross-attention trains on such shapes);
+3. prints us, GB/s, TFLOP/s and the ratio to the fastest, and saves the rows under ``--out``.
 
     python3 benchmarks/decode_gpu.py [--shapes 1x1x32768x32x8x128,...] [--out DIR]
-        [--sweep 64x4x3xm2,...] [--skip xla/chunked,...]
+        [--sweep 64x4x3xm2,...] [--skip xla/chunked,...] [--backward]
 
-A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``.
+A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``, with a ``c`` after it for causal calls
+(the queries are the cache's last positions: speculative decoding, a chunk of a prefill); there
+``jax.nn``'s rows get that mask explicitly (its ``is_causal`` aligns the queries with the first
+keys).
 """
 
 from __future__ import annotations
@@ -49,54 +53,73 @@ class DecodeCase:
     heads: int
     kv_heads: int
     dim: int
+    causal: bool = False
 
     @classmethod
     def parse(cls, text: str) -> DecodeCase:
+        causal = text.endswith("c")
         try:
-            b, sq, sk, h, kvh, d = (int(x) for x in text.split("x"))
+            b, sq, sk, h, kvh, d = (int(x) for x in text.removesuffix("c").split("x"))
         except ValueError:
-            raise ValueError(f"shape {text!r} is not BxSQxSKxHxKVHxD") from None
-        return cls(b, sq, sk, h, kvh, d)
+            raise ValueError(f"shape {text!r} is not BxSQxSKxHxKVHxD[c]") from None
+        return cls(b, sq, sk, h, kvh, d, causal)
 
     @property
     def name(self) -> str:
         gqa = f"({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
-        return f"{self.batch}x{self.seq_q}:{self.seq_k}x{self.heads}{gqa}x{self.dim}"
+        causal = " causal" if self.causal else ""
+        return f"{self.batch}x{self.seq_q}:{self.seq_k}x{self.heads}{gqa}x{self.dim}{causal}"
 
     def flops(self, backward: bool) -> float:
-        assert not backward
-        return 4.0 * self.batch * self.heads * self.seq_q * self.seq_k * self.dim
+        """4 x B x H x (visible pairs) x D forward, 3.5 times that forward and backward."""
+        hidden = self.seq_q * (self.seq_q - 1) // 2 if self.causal else 0  # keys past a query
+        forward = 4.0 * self.batch * self.heads * (self.seq_q * self.seq_k - hidden) * self.dim
+        return 3.5 * forward if backward else forward
+
+    def mask(self) -> jax.Array | None:
+        """The causal mask with the queries at the last positions, ``[1, 1, Sq, Sk]``; None if
+        not causal."""
+        if not self.causal:
+            return None
+        rows = jnp.arange(self.seq_q)[:, None] + (self.seq_k - self.seq_q)
+        return (jnp.arange(self.seq_k)[None, :] <= rows)[None, None]
 
     def bytes(self, itemsize: int = 2) -> float:
         """q and out once each, k and v once each: the least any kernel reads and writes."""
         rows = self.batch * (2 * self.seq_q * self.heads + 2 * self.seq_k * self.kv_heads)
         return float(rows * self.dim * itemsize)
 
-    def inputs(self, seed: int) -> tuple[jax.Array, ...]:
-        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    def inputs(self, seed: int, backward: bool = False) -> tuple[jax.Array, ...]:
+        """q, k, v (and with ``backward`` the output's cotangent), bf16."""
+        kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+        q_shape = (self.batch, self.seq_q, self.heads, self.dim)
         kv_shape = (self.batch, self.seq_k, self.kv_heads, self.dim)
-        return (
-            jax.random.normal(kq, (self.batch, self.seq_q, self.heads, self.dim), jnp.bfloat16),
-            jax.random.normal(kk, kv_shape, jnp.bfloat16),
-            jax.random.normal(kv, kv_shape, jnp.bfloat16),
+        out = tuple(
+            jax.random.normal(key, shape, jnp.bfloat16)
+            for key, shape in ((kq, q_shape), (kk, kv_shape), (kv, kv_shape))
         )
+        return (*out, jax.random.normal(kd, q_shape, jnp.bfloat16)) if backward else out
 
 
 def sweep_params(base: FwdParams, text: str) -> FwdParams:
-    """``"BKxWxSxN"``: ``base`` (a heuristic's forward) with kv_blocksize ``BK``, ``W`` warps, ``S``
-    stages and ``N`` key splits, ``N`` either a count or ``mF``, ``F`` times ``base``'s."""
+    """``"[Qx]BKxWxSxN"``: ``base`` (a heuristic's forward) with q_blocksize ``Q`` (if given),
+    kv_blocksize ``BK``, ``W`` warps, ``S`` stages and ``N`` key splits, ``N`` either a count or
+    ``mF``, ``F`` times ``base``'s."""
     try:
-        bk, warps, stages, splits = text.split("x")
+        fields = text.split("x")
+        bq = int(fields.pop(0)) if len(fields) == 5 else base.q_blocksize
+        bk, warps, stages, splits = fields
         n = (
             max(1, round(base.kv_splits * float(splits[1:])))
             if splits.startswith("m")
             else int(splits)
         )
         return dataclasses.replace(
-            base, kv_blocksize=int(bk), num_warps=int(warps), num_stages=int(stages), kv_splits=n
-        )
+            base, q_blocksize=bq, kv_blocksize=int(bk), num_warps=int(warps),
+            num_stages=int(stages), kv_splits=n,
+        )  # fmt: skip
     except ValueError:
-        raise ValueError(f"sweep item {text!r} is not BKxWxSxN (N a count or mF)") from None
+        raise ValueError(f"sweep item {text!r} is not [Qx]BKxWxSxN (N a count or mF)") from None
 
 
 def impls(
@@ -107,7 +130,8 @@ def impls(
     ``jax.nn.dot_product_attention``'s cuDNN and XLA paths (GQA by its own broadcast); none whose
     name ends with one in ``skip``."""
     q, k, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
-    shape = AttentionShape.of(q, k, AttentionSpec(scale=case.dim**-0.5))
+    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    shape = AttentionShape.of(q, k, spec)
     kind = ejkfn.device_kind()
     out: dict[str, Callable[..., jax.Array]] = {}
     for backend in registered_backends():
@@ -125,21 +149,39 @@ def impls(
             cfg = AttentionConfig(
                 platform=backend.platform, variant=backend.variant, fwd=params, bwd=bp
             )
-            out[label] = jax.jit(lambda q, k, v, cfg=cfg: ejkfn.flash_attention(q, k, v, cfg=cfg))
-    out["ejkfn auto"] = jax.jit(lambda q, k, v: ejkfn.flash_attention(q, k, v))
+            out[label] = jax.jit(
+                lambda q, k, v, cfg=cfg: ejkfn.flash_attention(q, k, v, causal=case.causal, cfg=cfg)
+            )
+    out["ejkfn auto"] = jax.jit(lambda q, k, v: ejkfn.flash_attention(q, k, v, causal=case.causal))
+    mask = case.mask()
     for implementation in ("cudnn", "xla"):
         out[f"jax.nn {implementation}"] = jax.jit(
             lambda q, k, v, implementation=implementation: jax.nn.dot_product_attention(
-                q, k, v, implementation=implementation
+                q, k, v, mask=mask, implementation=implementation
             )
         )
     return {n: fn for n, fn in out.items() if not any(n.endswith(x) for x in skip)}
 
 
-def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     group = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
-    return jax.nn.dot_product_attention(q.astype(jnp.float32), k, v, implementation="xla")
+    return jax.nn.dot_product_attention(
+        q.astype(jnp.float32), k, v, mask=mask, implementation="xla"
+    )
+
+
+def with_gradients(fn: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
+    """``(q, k, v) -> out`` as ``(q, k, v, dout) -> (out, dq, dk, dv)``, jitted."""
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> tuple[jax.Array, ...]:
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(dout.astype(out.dtype)))
+
+    return jax.jit(run)
+
+
+REFERENCE = "float32 reference"
 
 
 def measure(
@@ -148,17 +190,31 @@ def measure(
     rounds: int,
     sweep: tuple[str, ...] = (),
     skip: frozenset[str] = frozenset(),
+    backward: bool = False,
 ) -> list[dict[str, Any]]:
-    sets = [case.inputs(seed) for seed in (0, 1)]
-    want = jax.jit(reference)(*sets[0])
+    """Rows of every implementation at ``case``: forward, or with ``backward`` the output and
+    the three gradients (cross-attention trains on such shapes), each checked against the float32
+    reference's."""
+    sets = [case.inputs(seed, backward) for seed in (0, 1)]
+    mask = case.mask()
     fns = impls(case, sweep, skip)
-    # check_then_time runs this one first, outside its guard: auto, which takes any call. Each
-    # output is compared with the reference, not with this one's.
-    first = "ejkfn auto" if "ejkfn auto" in fns else next(iter(fns))
+    if backward:
+        # The reference is the baseline: each gradient is compared with its own (it runs first,
+        # outside check_then_time's guard, and never raises); its row is dropped below.
+        fns = {n: with_gradients(fn) for n, fn in fns.items()}
+        fns = {REFERENCE: with_gradients(lambda q, k, v: reference(q, k, v, mask)), **fns}
+        first, error = REFERENCE, rel_err
+    else:
+        want = jax.jit(reference)(*sets[0], mask)
+        # check_then_time runs this one first, outside its guard: auto, which takes any call.
+        # Each output is compared with the reference, not with this one's.
+        first = "ejkfn auto" if "ejkfn auto" in fns else next(iter(fns))
+        error = lambda got, _: rel_err(got, want)
     rows = check_then_time(
-        case, False, fns, first, sets, calls, rounds, warmup=2,
-        error=lambda got, _: rel_err(got, want), max_error=MAX_ERROR,
+        case, backward, fns, first, sets, calls, rounds, warmup=2, error=error,
+        max_error=MAX_ERROR,
     )  # fmt: skip
+    rows = [r for r in rows if r["impl"] != REFERENCE]
     fastest = min((r["ms"] for r in rows if "ms" in r), default=float("nan"))
     for r in rows:
         r["error"] = r.pop(f"max_rel_err_vs_{first}", r.get("error"))
@@ -171,10 +227,10 @@ def measure(
 
 def line(r: dict[str, Any]) -> str:
     if "ms" not in r:
-        return f"| {r['case']} | {r['impl']} | not timed: {str(r.get('error'))[:120]} | | |"
+        return f"| {r['case']} | {r['impl']} | not timed: {str(r.get('error'))[:120]} | | | |"
     return (
         f"| {r['case']} | {r['impl']} | {r['ms'] * 1e3:.1f} | {r['gb_per_s']:.0f} |"
-        f" {r['vs_fastest']:.3f} | {r['error']:.1e} |"
+        f" {r['tflops']:.0f} | {r['vs_fastest']:.3f} | {r['error']:.1e} |"
     )
 
 
@@ -185,9 +241,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument(
-        "--sweep", default="", help="Triton forwards to add, comma-separated BKxWxSxN (N: splits)"
+        "--sweep",
+        default="",
+        help="Triton forwards to add, comma-separated [Qx]BKxWxSxN (N: splits)",
     )
     parser.add_argument("--skip", default="", help="rows to leave out, comma-separated names")
+    parser.add_argument(
+        "--backward", action="store_true", help="time forward and backward (cross-attention)"
+    )
     args = parser.parse_args()
     try:
         cases = [DecodeCase.parse(s) for s in args.shapes.split(",")]
@@ -202,9 +263,11 @@ def main() -> int:
     skip = frozenset(filter(None, args.skip.split(",")))
     rows: list[dict[str, Any]] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    print("| case | impl | us | GB/s | vs fastest | error |\n|---|---|---|---|---|---|")
+    print(
+        "| case | impl | us | GB/s | TFLOP/s | vs fastest | error |\n|---|---|---|---|---|---|---|"
+    )
     for case in cases:
-        done = measure(case, args.calls, args.rounds, sweep, skip)
+        done = measure(case, args.calls, args.rounds, sweep, skip, args.backward)
         print("\n".join(line(r) for r in done), flush=True)
         rows += done
         if args.out:

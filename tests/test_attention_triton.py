@@ -480,7 +480,11 @@ def test_heuristic_blocks_with_a_feature(feature):
 DECODING = {
     "one_query_gqa_causal": dict(seq_q=1, seq_k=130, heads=8, kv_heads=2, causal=True),  # folds
     "few_queries_gqa": dict(seq_q=3, seq_k=130, heads=4, kv_heads=2),  # folds
-    "few_queries_gqa_causal": dict(seq_q=3, seq_k=130, heads=4, kv_heads=2, causal=True),
+    "few_queries_gqa_causal": dict(seq_q=3, seq_k=130, heads=4, kv_heads=2, causal=True),  # folds
+    # folds in groups of 3: row r is query r // 3 for the causal, window and segment limits
+    "window_segments_gqa_causal": dict(
+        seq_q=5, seq_k=130, heads=6, kv_heads=2, causal=True, window=(20, 0), segments=True
+    ),
     "segments_mqa": dict(seq_q=4, seq_k=130, heads=4, kv_heads=1, segments=True),  # folds
     "segments_unmatched": dict(seq_q=4, seq_k=130, segments="unmatched"),  # rows see no key
     "window": dict(seq_q=4, seq_k=160, window=(40, 0), causal=True),  # most programs see no key
@@ -509,18 +513,21 @@ def test_decoding_splits_the_keys(feature):
 
 
 def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypatch):
-    """One query (causal or not) or several without causal: the group's heads become rows of one
-    head, so each key block is read once for the group; with a bias, or causal rows at different
-    positions, not."""
+    """The group's heads become rows of one head, so each key block is read once for the group,
+    causal, with a window or segment ids too (their limits follow each row's query); with a bias,
+    a mask or dropout, which tell the heads apart, not."""
     launched = []
     forward = tri._fwd
-    monkeypatch.setattr(tri, "_fwd", lambda q, *rest: launched.append(q.shape) or forward(q, *rest))
+    monkeypatch.setattr(
+        tri, "_fwd", lambda q, *rest, **kw: launched.append(q.shape) or forward(q, *rest, **kw)
+    )
     for name, kw, heads in (
         ("one_query_gqa_causal", {}, 2),
         ("few_queries_gqa", {}, 2),
-        ("few_queries_gqa_causal", {}, 4),
+        ("few_queries_gqa_causal", {}, 2),
+        ("window_segments_gqa_causal", {}, 2),
         ("bias_mask_dropout_gqa", {}, 4),
-        ("few_queries_gqa", dict(window=(8, 8)), 4),
+        ("few_queries_gqa", dict(window=(8, 8)), 2),
     ):
         args, _, spec = _case(f"decoding-{name}", **{**DECODING[name], **kw})
         launched.clear()
@@ -567,8 +574,9 @@ def test_decoding_runs_under_vmap_and_tunes_its_splits():
 
 
 def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
-    """Decoding calls take one q block a head (the folded group's rows) and split the keys into
-    runs of at least four blocks, until about 256 programs run; other calls split nothing."""
+    """Decoding calls take one q block a head (the folded group's rows, up to 128) and split the
+    keys into runs of at least four blocks, until about 256 programs run (128 of 128-row tiles);
+    other calls split nothing."""
 
     def forward(batch, seq_q, seq_k, heads, kv_heads, dtype="bfloat16", **spec_kw):
         spec = AttentionSpec(scale=0.1, **spec_kw)
@@ -582,11 +590,16 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 1, 32768, 32, 8, causal=True) == (16, 128, 32)  # 8 folded heads
     assert forward(1, 1, 2048, 32, 8) == (16, 128, 4)  # four blocks a run at least
     assert forward(4, 16, 16384, 32, 8) == (64, 128, 8)  # 64 folded rows
-    assert forward(4, 16, 16384, 32, 8, causal=True) == (16, 128, 2)  # 128 heads of 16 rows
+    assert forward(4, 16, 16384, 32, 8, causal=True) == (64, 128, 8)  # causal folds too
+    assert forward(4, 32, 16384, 32, 8, causal=True) == (128, 128, 4)  # 128 rows: 32 tiles
+    assert forward(1, 128, 32768, 32, 8, causal=True) == (128, 128, 4)  # 512 rows: per head
+    assert forward(2, 65, 8192, 32, 8) == (128, 128, 2)  # 65 rows in a 128-row block
     assert forward(64, 1, 4096, 32, 8) == (16, 128, 1)  # 512 folded heads fill it already
     assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
+    assert forward(1, 32, 4096, 32, 8, dtype="float32") == (32, 32, 8)  # 64-row blocks at most
     assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
-    assert forward(1, 65, 4096, 4, 4)[2] == 1
+    assert forward(1, 129, 65536, 4, 4)[2] == 1  # more rows than a block
+    assert forward(1, 128, 512, 4, 4)[2] == 1  # fewer than 8 keys a row
     # the backward keeps the queries' 16 rows and streams 64 keys on 4 warps
     spec = AttentionSpec(scale=0.1, causal=True, window=(64, 0), has_bias=True, dropout_prob=0.1)
     shape = AttentionShape(

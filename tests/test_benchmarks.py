@@ -823,12 +823,19 @@ def test_features_benchmark_passes_a_features_arrays_as_arguments():
 
 def test_decode_benchmark_checks_times_and_saves(tmp_path):
     """decode_gpu.py on the CPU: the backends native there (XLA's) and ``auto``, checked against
-    the reference, timed and saved; a bad shape or sweep item is refused naming it."""
-    out = _run("decode_gpu.py", "--shapes", "2x1x256x4x2x32", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--out", str(tmp_path))  # fmt: skip
+    the reference (causal with the queries last, jax.nn's rows given that mask), timed and saved;
+    a bad shape or sweep item is refused naming it."""
+    out = _run("decode_gpu.py", "--shapes", "2x1x256x4x2x32,2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "decode_*.json")["rows"]
     assert {r["impl"] for r in rows} >= {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
     assert all(r["error"] < 2e-2 and r["gb_per_s"] > 0 for r in rows), rows
     assert "| 2x1:256x4(2 kv)x32 | ejkfn auto |" in out
+    assert "| 2x3:256x4(2 kv)x32 causal | jax.nn xla |" in out
+    # --backward: the output and the three gradients, each against the float32 reference's
+    _run("decode_gpu.py", "--shapes", "2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn,xla/chunked", "--backward", "--out", str(tmp_path / "bwd"))  # fmt: skip
+    rows = _saved(tmp_path / "bwd", "decode_*.json")["rows"]
+    assert {r["impl"] for r in rows} == {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
+    assert all(r["pass_"] == "fwd+bwd" and r["error"] < 2e-2 for r in rows), rows
     _run("decode_gpu.py", "--shapes", "2x1x256x4", returncode=2)
     (decode_gpu,) = _benchmark_modules("decode_gpu")
     from ejkfn import FwdParams
@@ -838,6 +845,9 @@ def test_decode_benchmark_checks_times_and_saves(tmp_path):
         q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=3, kv_splits=4
     )
     assert decode_gpu.sweep_params(base, "128x8x2x3").kv_splits == 3
+    assert decode_gpu.sweep_params(base, "64x128x8x2x3").q_blocksize == 64
+    # causal: 3 * 256 - 3 visible pairs a head
+    assert decode_gpu.DecodeCase.parse("2x3x256x4x2x32c").flops(False) == 4 * 2 * 4 * 765 * 32
     with pytest.raises(ValueError, match="64x4"):
         decode_gpu.sweep_params(base, "64x4")
 

@@ -48,9 +48,12 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
 # the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.96-2.5x
 # cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-1.01x
-# (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json). At one query of one sequence
-# against up to 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.87-1.07x in a
-# third: calls of 50-120 us, within what the host's launches move from run to run.
+# (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json), and 1.3-2.6x cuDNN and the
+# Mosaic forward at 65-128 query rows (-182827.json). At one query of one sequence against up to
+# 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.87-1.07x in a third: calls of
+# 50-120 us, within what the host's launches move from run to run. So it infers there; training
+# keeps the order of other calls, whose Mosaic pair ran 1.19-1.27x the Triton pair's forward and
+# backward at 65-128 rows (cross-attention; -183302.json).
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
@@ -753,15 +756,17 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         kwargs: dict[str, Any],
         *,
         first: bool = False,
+        decoding: bool = True,
     ) -> tuple[list[AttentionBackend], list[str]]:
-        """Native backends that can do the call, best first (``first``: the best alone); and why not."""
+        """Native backends that can do the call, best first (``first``: the best alone); and why
+        not. ``decoding``: in decoding's order where the call decodes (the best forward there)."""
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         if shape.dtype == "float32":
             pallas = _float32_pallas_first(shape)
             table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
-        if _backend.decoding_rows(shape) is not None:
+        if decoding and _backend.decoding_rows(shape) is not None:
             order = list(_AUTO_ORDER_DECODING.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []
@@ -789,7 +794,8 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         """A config without measuring: the best backend for the device (see the class doc)."""
         shape, args, kwargs = self._call_of(inv)
         if self.platform == "auto":
-            chosen, reasons = self._auto_backends(shape, args, kwargs, first=True)
+            # Training in the order of other calls; a decoding call infers on decoding's best.
+            chosen, reasons = self._auto_backends(shape, args, kwargs, first=True, decoding=False)
             if not chosen:
                 raise NotImplementedError(
                     f"no attention backend on {device_kind()!r} can do this call: "
@@ -799,7 +805,13 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
             preferred = _feature_cfg(shape, args, kwargs) or _hopper_cfg(
                 backend, shape, args, kwargs
             )
-            return preferred or _config(backend, backend.heuristic(shape))
+            cfg = preferred or _config(backend, backend.heuristic(shape))
+            if _backend.decoding_rows(shape) is None:
+                return cfg
+            (decoder,), _ = self._auto_backends(shape, args, kwargs, first=True)
+            if decoder == backend_for(cfg.platform, cfg.variant):
+                return cfg
+            return dataclasses.replace(cfg, inference=_config(decoder, decoder.heuristic(shape)))
         backend = self._platform_backends(shape)[0]
         return _config(backend, backend.heuristic(shape))
 

@@ -234,20 +234,20 @@ def segment_spans(q_seg: jax.Array, kv_seg: jax.Array) -> tuple[jax.Array, jax.A
 def foldable(shape: AttentionShape) -> bool:
     """Whether the forward may fold a GQA group's query heads into the rows of one head (it does
     where all of a kv head's queries fit one q block: decoding): nothing in the call tells the
-    heads apart (a bias, a mask, dropout) or needs the rows' positions (causal beyond one query
-    row, a window)."""
+    heads apart (a bias, a mask, dropout). The causal and window limits follow the rows'
+    queries."""
     spec = shape.spec
-    return (
-        shape.heads > shape.kv_heads
-        and not (spec.has_bias or spec.has_mask or spec.dropout_prob > 0.0)
-        and spec.window is None
-        and (shape.seq_q == 1 or not spec.causal)
+    return shape.heads > shape.kv_heads and not (
+        spec.has_bias or spec.has_mask or spec.dropout_prob > 0.0
     )
 
 
-# A call whose heads hold at most this many query rows (after folding a GQA group) is decoding:
-# few queries against many keys, bound by reading the keys and values once.
-DECODE_ROWS = 64
+# A call whose heads hold at most this many query rows (after folding a GQA group), against at
+# least DECODE_KEYS_PER_ROW keys a row, is decoding: few queries against many keys (one token, a
+# speculative draft, a chunk of a prefill), whose forward has too few q tiles to fill the GPU
+# unless it splits the keys among programs.
+DECODE_ROWS = 128
+DECODE_KEYS_PER_ROW = 8
 
 
 def folded_rows(shape: AttentionShape, q_block: int) -> int:
@@ -259,9 +259,11 @@ def folded_rows(shape: AttentionShape, q_block: int) -> int:
 
 def decoding_rows(shape: AttentionShape) -> int | None:
     """The query rows a head of a decoding call holds (:func:`folded_rows`), or None for a call
-    with more than ``DECODE_ROWS``."""
+    with more than ``DECODE_ROWS`` or fewer than ``DECODE_KEYS_PER_ROW`` keys a row."""
     rows = folded_rows(shape, DECODE_ROWS)
-    return rows if rows <= DECODE_ROWS else None
+    if rows > DECODE_ROWS or shape.seq_k < DECODE_KEYS_PER_ROW * rows:
+        return None
+    return rows
 
 
 def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -288,16 +288,21 @@ def fwd(
     kernels in Triton's interpreter (default: when JAX has no GPU).
     """
     interpret = default_interpret(interpret)
+    if spec.causal and q.shape[1] == 1:
+        # One query, at the last position, sees every key: the unmasked loop does it. Kept causal,
+        # 1x1:32768x32(8 kv)x128 ran 85.7 us (results/decode_NVIDIA_H200_20261129-182827.json);
+        # without causal the same call had run 57.1 us (-144243.json).
+        spec = dataclasses.replace(spec, causal=False)
     group = q.shape[2] // k.shape[2]
     rows = folded_rows(AttentionShape.of(q, k, spec), params.q_blocksize)
     if rows > q.shape[1] and bias is None and mask is None:
-        # The group's queries become rows of one head: each key block is read once for all of them.
-        if spec.causal:  # one query row, at the last position: it sees every key either way
-            spec = dataclasses.replace(spec, causal=False)
+        # The group's queries become rows of one head: each key block is read once for all of them
+        # (row i * group + g is query i, for the causal and window limits).
         q_rows = None if q_seg is None else jnp.repeat(q_seg, group, axis=1)
         out, lse = _fwd(
-            fold_group(q, group), k, v, None, None, q_rows, kv_seg, seed, spec, params, interpret
-        )
+            fold_group(q, group), k, v, None, None, q_rows, kv_seg, seed, spec, params, interpret,
+            row_group=group,
+        )  # fmt: skip
         return unfold_group(out, group), unfold_group_lse(lse, group)
     return _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret)
 
@@ -323,7 +328,7 @@ def unfold_group_lse(lse: jax.Array, group: int) -> jax.Array:
     return lse.reshape(b, kvh, rows // group, group).swapaxes(2, 3).reshape(b, kvh * group, -1)
 
 
-def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret):
+def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret, row_group=1):
     call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
@@ -352,6 +357,7 @@ def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret):
         KV_SPLITS=splits,
         SOX=int(np.prod(q.shape)) if partial else 0,  # one partial result's size
         SLX=int(np.prod(call.row_stats.shape)) if partial else 0,
+        ROW_GROUP=row_group,
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         BLOCK_D=call.block_d,
@@ -518,31 +524,39 @@ def _float32_blocks(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 # A decoding call's key splits: until about this many programs run (two a multiprocessor on an
 # H200). 256 ran 1.02-1.14x 512 at four of seven decoding shapes and 0.98x at
 # 1x1:32768x32(8 kv)x128; at the other two both counts split nothing
-# (results/decode_NVIDIA_H200_20261129-142753.json).
+# (results/decode_NVIDIA_H200_20261129-142753.json). 128-row tiles (8 warps, three stages of
+# 128-key blocks) take a multiprocessor each: there 128 programs ran 1.03-1.12x 256 at
+# 4x32:16384x32(8 kv)x128 and 1x128:32768x32(8 kv)x128 causal (-181613.json).
 DECODE_PROGRAMS = 256
 DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
 
 
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     """The forward of a decoding call (:func:`._backend.decoding_rows`), or None for any other
-    call: one q block a head (its GQA group folded in where :func:`._backend.foldable`), the keys
-    split so that the programs fill the GPU. 128-key blocks on 4 warps and 3 stages ran within 5%
-    of the fastest blocks tried at 6 of 7 and 10 of 11 decoding shapes in two runs (0.92x and 0.94x
-    at the others; results/decode_NVIDIA_H200_20261129-142753.json, -143452.json)."""
-    rows = decoding_rows(shape)
-    if rows is None:
+    call: the queries' rows in as few q blocks as fit (a GQA group folded into one where
+    :func:`._backend.foldable`), the keys split so that the programs fill the GPU. 128-key blocks
+    on 4 warps and 3 stages ran within 5% of the fastest blocks tried at 6 of 7 and 10 of 11
+    decoding shapes of up to 64 rows in two runs (0.92x and 0.94x at the others;
+    results/decode_NVIDIA_H200_20261129-142753.json, -143452.json); 128 rows on 8 warps were the
+    fastest of ten blocks at 32 queries of a GQA group of 4 and at 128 queries
+    (-181613.json: 2.2x the unsplit forward, 2.4x cuDNN without a mask)."""
+    if decoding_rows(shape) is None:
         return None
     wide = shape.dtype != "float32" and _block_d(shape.head_dim) <= 128
-    kv_block = 128 if wide else 32
+    most = 128 if wide else 64  # float32 or D = 256: the narrow tiles' products are FMAs
+    rows = folded_rows(shape, most)
+    q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
-    tiles = shape.batch * (shape.kv_heads if folded else shape.heads)
-    most = max(1, _cdiv(shape.seq_k, kv_block * DECODE_MIN_BLOCKS))
+    tiles = shape.batch * (shape.kv_heads if folded else shape.heads) * _cdiv(rows, q_block)
+    programs = DECODE_PROGRAMS if q_block <= 64 else DECODE_PROGRAMS // 2
+    kv_block = 128 if wide else 32
+    runs = max(1, _cdiv(shape.seq_k, kv_block * DECODE_MIN_BLOCKS))
     return FwdParams(
-        q_blocksize=max(_MIN_BLOCK, _next_pow2(rows)),
+        q_blocksize=q_block,
         kv_blocksize=kv_block,
-        num_warps=4,
+        num_warps=4 if q_block <= 64 else 8,
         num_stages=3 if wide else 2,
-        kv_splits=max(1, min(most, DECODE_PROGRAMS // tiles)),
+        kv_splits=max(1, min(runs, programs // tiles)),
     )
 
 
@@ -598,7 +612,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if shape.dtype == "float32":
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
-    if decoding is not None and shape.dtype != "float32":
+    if decoding is not None and shape.seq_q <= 64 and shape.dtype != "float32":
         # The rule above would give the dQ kernel 16 x 16 tiles here (its rows clamped to the
         # queries). Plain blocks keep the queries' rows and stream 64 keys: forward+backward at
         # 2x16:8192x8x128 with every feature they ran 0.194 ms where 16 x 16 tiles on 8 warps ran

@@ -124,6 +124,7 @@ def _scores(
     HAS_MASK: tl.constexpr,
     SMM: tl.constexpr,
     SMN: tl.constexpr,
+    ROW_GROUP: tl.constexpr = 1,
 ):
     """Logits in base-2 units (``-inf`` where not visible, when ``MASKED``), and ``tanh(s / cap)``
     (for the soft cap's derivative; else ``qk``). ``rows``/``cols`` broadcast to the tile."""
@@ -143,7 +144,7 @@ def _scores(
     if MASKED:
         ok = _visible(
             rows, cols, qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, ROW_GROUP,
         )  # fmt: skip
         s2 = tl.where(ok, s2, float("-inf"))
     return s2, t
@@ -166,11 +167,13 @@ def _visible(
     HAS_MASK: tl.constexpr,
     SMM: tl.constexpr,
     SMN: tl.constexpr,
+    ROW_GROUP: tl.constexpr = 1,
 ):
-    """Which (row, col) pairs of the broadcast index tiles are visible (the spec's rules)."""
+    """Which (row, col) pairs of the broadcast index tiles are visible (the spec's rules). Row
+    ``r`` is query ``r // ROW_GROUP`` (a forward with a GQA group folded into its rows)."""
     inb = (rows < SEQ_Q) & (cols < SEQ_K)
     ok = inb
-    pos = rows + (SEQ_K - SEQ_Q)
+    pos = rows // ROW_GROUP + (SEQ_K - SEQ_Q // ROW_GROUP)
     if CAUSAL:
         ok = ok & (cols <= pos)
     if WINDOW_LEFT >= 0:
@@ -213,23 +216,27 @@ def _kv_blocks(
     WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROW_GROUP: tl.constexpr = 1,
 ):
     """Key range ``[lo, hi)`` a q block starting at ``m0`` may see, and where its fully visible
-    blocks end (``full``: blocks in ``[lo, full)`` need no mask; meaningful only with ``SPLIT``)."""
-    shift = SEQ_K - SEQ_Q
+    blocks end (``full``: blocks in ``[lo, full)`` need no mask; meaningful only with ``SPLIT``).
+    Row ``r`` is query ``r // ROW_GROUP``."""
+    shift = SEQ_K - SEQ_Q // ROW_GROUP
+    first = m0 // ROW_GROUP  # the block's first and one past its last query
+    end = (m0 + BLOCK_Q - 1) // ROW_GROUP + 1
     lo = m0 * 0
     hi = m0 * 0 + SEQ_K
     if CAUSAL:
-        hi = tl.minimum(hi, m0 + (BLOCK_Q + shift))
+        hi = tl.minimum(hi, end + shift)
     if WINDOW_RIGHT >= 0:
-        hi = tl.minimum(hi, m0 + (BLOCK_Q + shift + WINDOW_RIGHT))
+        hi = tl.minimum(hi, end + (shift + WINDOW_RIGHT))
     if WINDOW_LEFT >= 0:
-        lo = tl.maximum(m0 + (shift - WINDOW_LEFT), 0) // BLOCK_K * BLOCK_K
+        lo = tl.maximum(first + (shift - WINDOW_LEFT), 0) // BLOCK_K * BLOCK_K
     full = lo
     if SPLIT:
         full = m0 * 0 + (SEQ_K // BLOCK_K) * BLOCK_K
         if CAUSAL:
-            full = tl.minimum(full, tl.maximum(m0 + (shift + 1), 0) // BLOCK_K * BLOCK_K)
+            full = tl.minimum(full, tl.maximum(first + (shift + 1), 0) // BLOCK_K * BLOCK_K)
     return lo, hi, full
 
 
@@ -323,6 +330,7 @@ def _fwd_inner(
     DROP_THRESH: tl.constexpr,
     DROP_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -346,7 +354,7 @@ def _fwd_inner(
             s, _t = _scores(
                 qk, rows[:, None], cols[None, :], bias_base, qseg_base, kvseg_base, mask_base,
                 MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT,
-                WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+                WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, ROW_GROUP,
             )  # fmt: skip
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen no visible key keeps m = -inf; shift it by 0 so exp2 gives 0,
@@ -419,6 +427,7 @@ def fwd_kernel(
     KV_SPLITS: tl.constexpr,
     SOX: tl.constexpr,
     SLX: tl.constexpr,
+    ROW_GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -448,7 +457,7 @@ def fwd_kernel(
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     lo, hi, full = _kv_blocks(
-        m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
+        m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT, ROW_GROUP
     )
     if HAS_SEG:  # every block is masked (no SPLIT): full is lo
         lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
@@ -472,21 +481,21 @@ def fwd_kernel(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if SPLIT:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if not MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
             SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
 
     empty = l_i == 0.0
