@@ -51,10 +51,13 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # (results/decode_NVIDIA_H200_20261129-143452.json, -144243.json), and 1.3-2.6x cuDNN and the
 # Mosaic forward at 65-128 query rows (-182827.json). At one query of one sequence against up to
 # 2^19 keys XLA's dense attention ran 1.2-1.5x it in two runs and 0.87-1.07x in a third: calls of
-# 50-120 us, within what the host's launches move from run to run. So it infers there; training
-# keeps the order of other calls, whose Mosaic pair ran 1.19-1.27x the Triton pair's forward and
-# backward at 65-128 rows (cross-attention; -183302.json).
+# 50-120 us, within what the host's launches move from run to run. So it infers there. It trains
+# there too up to _TRITON_TRAINS_QUERIES queries, where the queries fit one 16-row block of its
+# backward: forward+backward the Triton pair ran 1.15x and 1.46x the Mosaic pair at 16 and 8
+# queries, 0.85x at 64 and 0.78-0.87x at 32, 65 and 128 (cross-attention; -183302.json,
+# -184010.json to -184203.json); above it training keeps the order of other calls.
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
+_TRITON_TRAINS_QUERIES = 16
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
 
 
@@ -794,8 +797,13 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         """A config without measuring: the best backend for the device (see the class doc)."""
         shape, args, kwargs = self._call_of(inv)
         if self.platform == "auto":
-            # Training in the order of other calls; a decoding call infers on decoding's best.
-            chosen, reasons = self._auto_backends(shape, args, kwargs, first=True, decoding=False)
+            # A decoding call infers on decoding's best, and trains there too if its queries are
+            # few; other calls train and infer in their own order.
+            decodes = _backend.decoding_rows(shape) is not None
+            trains_decoding = decodes and shape.seq_q <= _TRITON_TRAINS_QUERIES
+            chosen, reasons = self._auto_backends(
+                shape, args, kwargs, first=True, decoding=trains_decoding
+            )
             if not chosen:
                 raise NotImplementedError(
                     f"no attention backend on {device_kind()!r} can do this call: "
@@ -806,7 +814,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                 backend, shape, args, kwargs
             )
             cfg = preferred or _config(backend, backend.heuristic(shape))
-            if _backend.decoding_rows(shape) is None:
+            if not decodes or trains_decoding:
                 return cfg
             (decoder,), _ = self._auto_backends(shape, args, kwargs, first=True)
             if decoder == backend_for(cfg.platform, cfg.variant):
