@@ -54,8 +54,8 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # 50-120 us, within what the host's launches move from run to run. So it infers there. It trains
 # there too up to _TRITON_TRAINS_QUERIES queries, where the queries fit one 16-row block of its
 # backward: forward+backward the Triton pair ran 1.15x and 1.46x the Mosaic pair at 16 and 8
-# queries, 0.85x at 64 and 0.78-0.87x at 32, 65 and 128 (cross-attention; -183302.json,
-# -184010.json to -184203.json); above it training keeps the order of other calls.
+# queries, 0.85x at 64, 0.78-0.86x at 32, 65 and 128, and 1.02x at 32 causal (cross-attention;
+# -183302.json, -184010.json to -184414.json); above it training keeps the order of other calls.
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
 _TRITON_TRAINS_QUERIES = 16
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
