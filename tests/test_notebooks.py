@@ -62,6 +62,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "max |d capped - d by hand| = ",
         "window    -> xla/dense",
         "max |split in 4 - xla| = ",
+        "max |causal draft, split in 4 - xla| = ",
     ),
 }
 # Rich outputs each notebook must show.
