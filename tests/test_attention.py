@@ -1265,8 +1265,9 @@ def test_only_the_triton_platform_splits_the_keys() -> None:
         (2, 32, 32, 8, False, "triton"),  # 128 rows folded
         (2, 65, 32, 8, False, "triton"),  # 260 rows folded: 65 a head
         (2, 128, 16, 16, True, "triton"),
-        (2, 129, 16, 16, True, "pallas"),  # past DECODE_ROWS
-        (2, 1024, 16, 16, True, "pallas"),  # fewer than 8 keys a row
+        (2, 256, 16, 16, True, "triton"),  # 64 tiles of 128 rows
+        (4, 129, 16, 16, True, "pallas"),  # 128 tiles of 128 rows
+        (1, 2048, 4, 4, True, "pallas"),  # fewer than 8 keys a row
     ],
 )
 def test_auto_decodes_on_triton_on_gpus(

@@ -574,9 +574,9 @@ def test_decoding_runs_under_vmap_and_tunes_its_splits():
 
 
 def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
-    """Decoding calls take one q block a head (the folded group's rows, up to 128) and split the
-    keys into runs of at least four blocks, until about 256 programs run (128 of 128-row tiles);
-    other calls split nothing."""
+    """Decoding calls take one q block a head (the folded group's rows, up to 128; more rows in
+    at most 64 tiles of 128) and split the keys into runs of at least four blocks, until about 256
+    programs run (128 of 128-row tiles); other calls split nothing."""
 
     def forward(batch, seq_q, seq_k, heads, kv_heads, dtype="bfloat16", **spec_kw):
         spec = AttentionSpec(scale=0.1, **spec_kw)
@@ -598,8 +598,11 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
     assert forward(1, 32, 4096, 32, 8, dtype="float32") == (32, 32, 8)  # 64-row blocks at most
     assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
-    assert forward(1, 129, 65536, 4, 4)[2] == 1  # more rows than a block
     assert forward(1, 128, 512, 4, 4)[2] == 1  # fewer than 8 keys a row
+    # more rows than a block, in at most 64 tiles of 128 rows: 128 programs
+    assert forward(1, 256, 32768, 32, 8, causal=True) == (128, 128, 2)
+    assert forward(1, 129, 65536, 4, 4) == (128, 128, 16)
+    assert forward(1, 512, 32768, 32, 8, causal=True)[2] == 1  # 128 tiles: not decoding
     # the backward keeps the queries' 16 rows and streams 64 keys on 4 warps
     spec = AttentionSpec(scale=0.1, causal=True, window=(64, 0), has_bias=True, dropout_prob=0.1)
     shape = AttentionShape(

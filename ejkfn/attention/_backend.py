@@ -245,9 +245,13 @@ def foldable(shape: AttentionShape) -> bool:
 # A call whose heads hold at most this many query rows (after folding a GQA group), against at
 # least DECODE_KEYS_PER_ROW keys a row, is decoding: few queries against many keys (one token, a
 # speculative draft, a chunk of a prefill), whose forward has too few q tiles to fill the GPU
-# unless it splits the keys among programs.
+# unless it splits the keys among programs. So is a call with more rows whose DECODE_ROWS-row
+# tiles number at most DECODE_TILES, half an H200's multiprocessors: at 64 such tiles (256
+# queries a head) Triton's forward split two ways ran 1.26-1.34x the Mosaic forward, at 128
+# (512 queries) 0.80x (results/decode_NVIDIA_H200_20261129-184738.json).
 DECODE_ROWS = 128
 DECODE_KEYS_PER_ROW = 8
+DECODE_TILES = 64
 
 
 def folded_rows(shape: AttentionShape, q_block: int) -> int:
@@ -259,11 +263,13 @@ def folded_rows(shape: AttentionShape, q_block: int) -> int:
 
 def decoding_rows(shape: AttentionShape) -> int | None:
     """The query rows a head of a decoding call holds (:func:`folded_rows`), or None for a call
-    with more than ``DECODE_ROWS`` or fewer than ``DECODE_KEYS_PER_ROW`` keys a row."""
+    with fewer than ``DECODE_KEYS_PER_ROW`` keys a row, or with more than ``DECODE_ROWS`` rows
+    in more than ``DECODE_TILES`` tiles of that many."""
     rows = folded_rows(shape, DECODE_ROWS)
-    if rows > DECODE_ROWS or shape.seq_k < DECODE_KEYS_PER_ROW * rows:
+    if shape.seq_k < DECODE_KEYS_PER_ROW * rows:
         return None
-    return rows
+    tiles = shape.batch * shape.heads * -(-rows // DECODE_ROWS)
+    return rows if rows <= DECODE_ROWS or tiles <= DECODE_TILES else None
 
 
 def merge_partials(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -539,7 +539,8 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     decoding shapes of up to 64 rows in two runs (0.92x and 0.94x at the others;
     results/decode_NVIDIA_H200_20261129-142753.json, -143452.json); 128 rows on 8 warps were the
     fastest of ten blocks at 32 queries of a GQA group of 4 and at 128 queries
-    (-181613.json: 2.2x the unsplit forward, 2.4x cuDNN without a mask)."""
+    (-181613.json: 2.2x the unsplit forward, 2.4x cuDNN without a mask), and split two ways at 256
+    queries a head (-184738.json: 1.22-1.24x the unsplit 64-row forward)."""
     if decoding_rows(shape) is None:
         return None
     wide = shape.dtype != "float32" and _block_d(shape.head_dim) <= 128
