@@ -87,7 +87,12 @@ class BwdParams(_Validated):
     Triton-lowering ones); backends with a single backward ignore it. ``dq_num_stages`` is the
     pipelining depth of the dQ kernel where a backend runs it apart from the dK/dV kernel (the
     portable backwards); ``None`` takes ``num_stages``, and other backends ignore it.
+    ``kv_splits`` divides each dQ tile's keys among that many programs whose partial dQs add up
+    (in float32): it fills the GPU where few queries meet many keys. Backends that do not split
+    refuse more than 1.
     """
+
+    _positive = (*_Validated._positive, "kv_splits")
 
     q_blocksize: int = 64
     kv_blocksize: int = 64
@@ -95,6 +100,7 @@ class BwdParams(_Validated):
     num_stages: int = 2
     variant: str | None = None
     dq_num_stages: int | None = None
+    kv_splits: int = 1
 
     def __post_init__(self) -> None:
         super(BwdParams, self).__post_init__()

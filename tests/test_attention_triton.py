@@ -501,15 +501,16 @@ DECODING = {
     "fewer_blocks_than_splits": dict(seq_q=1, seq_k=24, heads=2, kv_heads=1),
 }
 DECODING_FP = FwdParams(q_blocksize=16, kv_blocksize=16, kv_splits=3)
+DECODING_BP = BwdParams(q_blocksize=16, kv_blocksize=16, kv_splits=3)
 
 
 @pytest.mark.parametrize("feature", sorted(DECODING))
 def test_decoding_splits_the_keys(feature):
     """Each program attends to a third of the keys and the partial results merge by their
-    log-sum-exps: output, lse and the gradients (the backward's, on the merged lse) match the
-    reference, empty partials and rows too."""
+    log-sum-exps; each dQ program adds a third of the keys' terms: output, lse and the gradients
+    (the backward's, on the merged lse) match the reference, empty partials and rows too."""
     args, dout, spec = _case(f"decoding-{feature}", **DECODING[feature])
-    _check(args, dout, spec, fp=DECODING_FP)
+    _check(args, dout, spec, fp=DECODING_FP, bp=DECODING_BP)
 
 
 def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypatch):
@@ -603,15 +604,22 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 256, 32768, 32, 8, causal=True) == (128, 128, 2)
     assert forward(1, 129, 65536, 4, 4) == (128, 128, 16)
     assert forward(1, 512, 32768, 32, 8, causal=True)[2] == 1  # 128 tiles: not decoding
-    # the backward keeps the queries' 16 rows and streams 64 keys on 4 warps
+    # up to 16 queries the backward keeps the queries' 16 rows and streams 64 keys on 4 warps;
+    # its dQ kernel splits the keys as the forward does (16 tiles: 16 runs of 8 blocks)
     spec = AttentionSpec(scale=0.1, causal=True, window=(64, 0), has_bias=True, dropout_prob=0.1)
     shape = AttentionShape(
         batch=2, seq_q=2, seq_k=8192, heads=8, kv_heads=8, head_dim=128, dtype="bfloat16",
         spec=spec,
     )  # fmt: skip
     assert tri.heuristic(shape)[1] == BwdParams(
-        q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2
+        q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2, kv_splits=16
     )
+    # more queries keep the training blocks; 32 dQ tiles of 128 rows split 4 ways
+    shape = dataclasses.replace(
+        shape, seq_q=128, heads=16, kv_heads=16, spec=AttentionSpec(scale=0.1)
+    )
+    assert tri.heuristic(shape)[1].kv_splits == 4
+    assert tri.heuristic(dataclasses.replace(shape, seq_q=4096))[1].kv_splits == 1
 
 
 def test_heuristic_params_under_vmap():

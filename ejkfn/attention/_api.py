@@ -554,7 +554,7 @@ def _refusal(
     """Why ``backend`` cannot do this call (tracing both passes abstractly), or None if it can."""
     spec = shape.spec
     try:
-        backend.check(spec, params[0])
+        backend.check(spec, *params)
         q, k, v, bias = args
         arrays = (
             q,
@@ -591,7 +591,7 @@ def _resolve(cfg: AttentionConfig, spec: AttentionSpec, shape: AttentionShape) -
         order = _variant_order(cfg.platform, shape)
         order.sort(key=lambda b: not _native(b))  # stable: native ones first
         backend = next((b for b in order if not spec.features & b.unsupported), order[0])
-    backend.check(spec, cfg.fwd)
+    backend.check(spec, cfg.fwd, cfg.bwd)
     return backend
 
 

@@ -334,7 +334,8 @@ class AttentionBackend:
         bwd_uses_residuals: whether ``bwd`` normalises with the ``out`` and ``lse`` it is given; ring
             attention passes the whole sequence's, so it needs this (cuDNN and dense XLA recompute
             their own).
-        splits_keys: whether ``fwd`` honours ``FwdParams.kv_splits`` (flash decoding).
+        splits_keys: whether ``fwd`` honours ``FwdParams.kv_splits`` (flash decoding) and ``bwd``
+            ``BwdParams.kv_splits``.
     """
 
     platform: str
@@ -349,19 +350,22 @@ class AttentionBackend:
     bwd_uses_residuals: bool = True
     splits_keys: bool = False
 
-    def check(self, spec: AttentionSpec, fwd: FwdParams | None = None) -> None:
+    def check(
+        self, spec: AttentionSpec, fwd: FwdParams | None = None, bwd: BwdParams | None = None
+    ) -> None:
         """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks,
-        or ``fwd``'s key split where it does not split."""
+        or ``fwd``'s or ``bwd``'s key split where it does not split."""
         missing = sorted(spec.features & self.unsupported)
         if missing:
             raise NotImplementedError(
                 f"platform {self.platform!r} ({self.variant}) does not support {', '.join(missing)}"
             )
-        if fwd is not None and fwd.kv_splits > 1 and not self.splits_keys:
-            raise NotImplementedError(
-                f"platform {self.platform!r} ({self.variant}) does not split the keys "
-                f"(kv_splits={fwd.kv_splits}); the triton platform does"
-            )
+        for name, params in (("fwd", fwd), ("bwd", bwd)):
+            if params is not None and params.kv_splits > 1 and not self.splits_keys:
+                raise NotImplementedError(
+                    f"platform {self.platform!r} ({self.variant}) does not split the keys "
+                    f"({name}.kv_splits={params.kv_splits}); the triton platform does"
+                )
 
 
 def register_backend(backend: AttentionBackend) -> AttentionBackend:

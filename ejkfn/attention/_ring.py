@@ -250,7 +250,7 @@ def _choose(
             "ring_attention needs a backend whose backward uses the saved out and lse; got "
             f"platform={backend.platform!r} variant={backend.variant!r} (on xla use 'chunked')"
         )
-    backend.check(needed, params[0])
+    backend.check(needed, *params)
     interpret = device_kind() not in backend.devices
     return _Local(backend, params[0], params[1], interpret)
 

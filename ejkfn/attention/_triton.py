@@ -403,25 +403,31 @@ def bwd(
     common = dict(
         **meta, SDOB=meta["SQB"], SDOS=meta["SQS"], SDOH=meta["SQH"], BLOCK_D=call.block_d
     )
+    splits = min(params.kv_splits, _cdiv(call.seq_k, dq_cols))  # at least a block each
+    partial = splits > 1  # each split writes a float32 dQ over its keys, summed below
     dq, delta, lse2 = launch(
         kern.bwd_dq_kernel,
         *call.inputs,
         dout,
         lse,
         out,
-        grid=(_cdiv(call.seq_q, dq_rows), bh),
+        grid=(_cdiv(call.seq_q, dq_rows), bh, splits),
         out_shapes=(
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32 if partial else q.dtype),
             call.row_stats,
             call.row_stats,
         ),
         num_warps=dq_run.num_warps,
         num_stages=call.stages(dq_rows, dq_cols, dq_run.num_stages, resident=2, dkdv=False),
         interpret=interpret,
+        KV_SPLITS=splits,
+        SDX=int(np.prod(q.shape)) if partial else 0,  # one partial dQ's size
         BLOCK_Q=dq_rows,
         BLOCK_K=dq_cols,
         **common,
     )
+    if partial:
+        dq = dq.sum(axis=0).astype(q.dtype)
     has_bias = bias is not None
     dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
     dk, dv, dbias_full = launch(
@@ -561,6 +567,18 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     )
 
 
+def _dq_splits(shape: AttentionShape, bp: BwdParams) -> int:
+    """Key splits of a decoding call's dQ kernel, whose few q tiles each walk every key: as for
+    the forward, until about ``DECODE_PROGRAMS`` programs run (half as many of 128-row tiles)."""
+    run = dq_launch(bp)
+    rows = _clamp_block(run.rows, shape.seq_q, "dQ rows")
+    cols = _clamp_block(run.cols, shape.seq_k, "dQ columns")
+    tiles = shape.batch * shape.heads * _cdiv(shape.seq_q, rows)
+    programs = DECODE_PROGRAMS if rows <= 64 else DECODE_PROGRAMS // 2
+    runs = max(1, _cdiv(shape.seq_k, cols * DECODE_MIN_BLOCKS))
+    return max(1, min(runs, programs // tiles))
+
+
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """Hopper-friendly block sizes for the head dim, shrunk for short sequences."""
     # From sweeps on an H200 in bf16 (results/portable_sweep_NVIDIA_H200_20261121-184554.json and
@@ -613,7 +631,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if shape.dtype == "float32":
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
-    if decoding is not None and shape.seq_q <= 64 and shape.dtype != "float32":
+    if decoding is not None and shape.seq_q <= 16 and shape.dtype != "float32":
         # The rule above would give the dQ kernel 16 x 16 tiles here (its rows clamped to the
         # queries). Plain blocks keep the queries' rows and stream 64 keys: forward+backward at
         # 2x16:8192x8x128 with every feature they ran 0.194 ms where 16 x 16 tiles on 8 warps ran
@@ -627,6 +645,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         q_rows=decoding and decoding.q_blocksize,
     )
     bp = shrink_to_fit(shape, bp, lambda p: _fits(shape, p, backward=True), _MIN_BLOCK)
+    if decoding is not None:
+        bp = dataclasses.replace(bp, kv_splits=_dq_splits(shape, bp))
     return fp, bp
 
 
@@ -671,6 +691,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         fwds = [dataclasses.replace(heur_f, kv_splits=n) for n in sorted(splits)]
         fwds += [dataclasses.replace(heur_f, kv_blocksize=64, num_stages=s) for s in (3, 4)]
         fwds += [dataclasses.replace(heur_f, num_stages=2)]
+        splits = {max(1, heur_b.kv_splits // 2), heur_b.kv_splits * 2} - {heur_b.kv_splits}
+        bwds += [dataclasses.replace(heur_b, kv_splits=n) for n in sorted(splits)]
     out = [(heur_f, heur_b)]
     out += [(f, heur_b) for f in fwds if f != heur_f and _fits(shape, f, backward=False)]
     out += [(heur_f, b) for b in bwds if b != heur_b and _fits(shape, b, backward=True)]

@@ -242,6 +242,18 @@ def _kv_blocks(
 
 @triton.jit
 @no_type_check
+def _split_run(lo, hi, full, split, KV_SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Run ``split`` of ``KV_SPLITS`` runs of whole key blocks of ``[lo, hi)``, as ``(lo, hi,
+    full)``: ``lo`` stays a multiple of ``BLOCK_K``, and a run past ``hi`` is empty."""
+    n_blocks = (tl.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
+    run = (n_blocks + KV_SPLITS - 1) // KV_SPLITS * BLOCK_K
+    lo = lo + split * run
+    hi = tl.minimum(hi, lo + run)
+    return lo, hi, tl.minimum(tl.maximum(full, lo), hi)
+
+
+@triton.jit
+@no_type_check
 def _q_blocks(
     n0,
     SEQ_Q: tl.constexpr,
@@ -466,11 +478,7 @@ def fwd_kernel(
         split = tl.program_id(1)
         Out += split.to(tl.int64) * SOX  # and writes partial result ``split``
         Lse += split.to(tl.int64) * SLX
-        n_blocks = (tl.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
-        run = (n_blocks + KV_SPLITS - 1) // KV_SPLITS * BLOCK_K
-        lo = lo + split * run  # lo stays a multiple of BLOCK_K; past hi the loops below are empty
-        hi = tl.minimum(hi, lo + run)
-        full = tl.minimum(tl.maximum(full, lo), hi)
+        lo, hi, full = _split_run(lo, hi, full, split, KV_SPLITS, BLOCK_K)
     # Where q and key blocks differ in size (128 x 64, 64 x 128), the masked blocks (the causal
     # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
     # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,
@@ -837,6 +845,8 @@ def bwd_dq_kernel(
     DROP_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_SPLITS: tl.constexpr,
+    SDX: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -874,11 +884,13 @@ def bwd_dq_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, delta, mask=rows < SEQ_Q)
+    split = tl.program_id(2)  # which run of the keys this program takes (KV_SPLITS > 1)
+    stores = (rows < SEQ_Q) & (split == 0)  # the first run stores the rows' statistics
+    tl.store(Delta + bh.to(tl.int64) * SEQ_Q + rows, delta, mask=stores)
     lse = tl.load(Lse + bh.to(tl.int64) * SEQ_Q + rows, mask=rows < SEQ_Q, other=0.0)
     # A row with no visible key has lse = -inf; all its scores are masked to -inf too.
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * _LOG2E)
-    tl.store(Lse2 + bh.to(tl.int64) * SEQ_Q + rows, lse2, mask=rows < SEQ_Q)
+    tl.store(Lse2 + bh.to(tl.int64) * SEQ_Q + rows, lse2, mask=stores)
     k_base = K + b64 * SKB + kvh * SKH
     v_base = V + b64 * SVB + kvh * SVH
     bias_base = Bias + b64 * SBB + h * SBH
@@ -893,6 +905,9 @@ def bwd_dq_kernel(
     if HAS_SEG:  # every block is masked (no SPLIT): full is lo
         lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
         full = lo
+    if KV_SPLITS > 1:  # partial dQ ``split``, over one run of whole key blocks
+        DQ += split.to(tl.int64) * SDX
+        lo, hi, full = _split_run(lo, hi, full, split, KV_SPLITS, BLOCK_K)
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
