@@ -1281,7 +1281,7 @@ def test_auto_decodes_on_triton_on_gpus(
 ) -> None:
     """A call with few queries against many keys infers on Triton's key-splitting forward on a
     GPU (on an H200 it ran 0.96-2.6x cuDNN there, the Mosaic forward 0.09-1.01x), and trains on
-    Triton's pair up to 16 queries (1.15-1.46x the Mosaic pair), as other calls do above (the
+    Triton's pair up to 16 queries (1.15-1.48x the Mosaic pair), as other calls do above (the
     Mosaic pair 0.98-1.28x the Triton pair at 32-128); others keep cuDNN (on Hopper the Mosaic
     forward) first."""
     from ejkfn.attention import _api

@@ -604,7 +604,7 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 256, 32768, 32, 8, causal=True) == (128, 128, 2)
     assert forward(1, 129, 65536, 4, 4) == (128, 128, 16)
     assert forward(1, 512, 32768, 32, 8, causal=True)[2] == 1  # 128 tiles: not decoding
-    # up to 16 queries the backward keeps the queries' 16 rows and streams 64 keys on 4 warps;
+    # up to 64 queries the backward keeps 16 rows and streams 64 keys on 4 warps;
     # its dQ kernel splits the keys as the forward does (16 tiles: 16 runs of 8 blocks)
     spec = AttentionSpec(scale=0.1, causal=True, window=(64, 0), has_bias=True, dropout_prob=0.1)
     shape = AttentionShape(

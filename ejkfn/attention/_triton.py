@@ -631,11 +631,14 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     if shape.dtype == "float32":
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
-    if decoding is not None and shape.seq_q <= 16 and shape.dtype != "float32":
+    if decoding is not None and shape.seq_q <= 64 and shape.dtype != "float32":
         # The rule above would give the dQ kernel 16 x 16 tiles here (its rows clamped to the
         # queries). Plain blocks keep the queries' rows and stream 64 keys: forward+backward at
         # 2x16:8192x8x128 with every feature they ran 0.194 ms where 16 x 16 tiles on 8 warps ran
-        # 0.244 ms (results/small_tiles_tune_NVIDIA_H200_20261129-171500.json).
+        # 0.244 ms (results/small_tiles_tune_NVIDIA_H200_20261129-171500.json); at 32 and 64
+        # queries against 16384 keys (GQA, causal) 830 and 764 us where the rule above ran 1013
+        # and 868 with its dQ keys split (decode_NVIDIA_H200_20261129-184414.json, -184128.json,
+        # -185644.json, -185714.json).
         bp = BwdParams(q_blocksize=16, kv_blocksize=64, num_warps=4, num_stages=2)
     fp = shrink_to_fit(
         shape,
