@@ -1253,6 +1253,12 @@ def test_only_the_triton_platform_splits_the_keys() -> None:
     on_triton = dataclasses.replace(chunked, platform="triton", variant="triton")
     want = flash_attention(x, keys, keys, platform="xla")
     np.testing.assert_allclose(flash_attention(x, keys, keys, cfg=on_triton), want, atol=1e-6)
+    # the backward's dQ split too, before anything runs
+    dq_split = AttentionConfig(platform="xla", variant="dense", bwd=BwdParams(kv_splits=3))
+    with pytest.raises(NotImplementedError, match=r"'xla' \(dense\).*bwd.kv_splits=3"):
+        flash_attention(x, keys, keys, cfg=dq_split)
+    with pytest.raises(ValueError, match="kv_splits=0"):
+        BwdParams(kv_splits=0)
 
 
 @pytest.mark.parametrize(
