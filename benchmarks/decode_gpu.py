@@ -1,9 +1,10 @@
 """Attention with few queries against many keys (decoding from a key/value cache), on the GPU.
 
 A decoding step asks for ``seq_q`` new positions (1, or a few for speculative decoding) against
-the whole cache of ``seq_k`` keys, every key visible. The arithmetic is small; the time is the
-cache's bytes read once from HBM, so each row's figure of merit is its rate in GB/s of q, k, v
-and the output against the copy ceiling (``../shared/GPU.md``). For each shape this
+the whole cache of ``seq_k`` keys, every key visible (causal: every key up to its own). The
+arithmetic is small; the time is the cache's bytes read once from HBM, so each row's figure of
+merit is its rate in GB/s of q, k, v and the output against the copy ceiling
+(``../shared/GPU.md``); with more queries (a chunk of a prefill) it is TFLOP/s. For each shape this
 
 1. checks the output of each ejkfn platform on its heuristic config, of ``platform="auto"``, of
    ``jax.nn.dot_product_attention``'s cuDNN and XLA paths, against a float32 reference;
