@@ -413,7 +413,9 @@ def bwd(
         out,
         grid=(_cdiv(call.seq_q, dq_rows), bh, splits),
         out_shapes=(
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32 if partial else q.dtype),
+            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32)
+            if partial
+            else jax.ShapeDtypeStruct(q.shape, q.dtype),
             call.row_stats,
             call.row_stats,
         ),
