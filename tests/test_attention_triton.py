@@ -548,7 +548,8 @@ def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypa
 
 def test_decoding_runs_under_vmap_and_tunes_its_splits():
     """The split forward batches under vmap (the merge is XLA's); the tuner tries the decoding
-    forward with half and twice the splits, 64-key blocks and fewer stages."""
+    forward with half and twice the splits, 64-key blocks and fewer stages, and its backward with
+    half and twice the dQ splits."""
     args, _, spec = _case("decoding-vmap", **DECODING["one_query_gqa_causal"])
     q, k, v = args[:3]
     stack = lambda x: jnp.stack([x, -0.5 * x])
@@ -572,6 +573,10 @@ def test_decoding_runs_under_vmap_and_tunes_its_splits():
         (128, 3, 16), (128, 3, 64), (64, 3, 32), (64, 4, 32), (128, 2, 32)
     }  # fmt: skip
     assert all(fp.q_blocksize == 16 for fp in fwds)
+    # and the heuristic's backward with its dQ keys split half and twice as many ways
+    heur_b = cands[0][1]
+    assert heur_b.kv_splits == 8
+    assert {bp.kv_splits for _, bp in cands} == {4, 8, 16}
 
 
 def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
