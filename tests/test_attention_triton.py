@@ -546,6 +546,29 @@ def test_decoding_folds_a_gqa_group_where_nothing_tells_its_heads_apart(monkeypa
     assert launched == [(2, 6, 2, 32), (2, 9, 4, 32)]
 
 
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k", "heads", "kv_heads", "window"),
+    [(5, 5, 6, 2, None), (8, 8, 8, 2, (2, 0)), (7, 20, 4, 1, (3, 1))],
+)
+def test_short_causal_gqa_calls_fold_with_each_rows_query(
+    seq_q, seq_k, heads, kv_heads, window, monkeypatch
+):
+    """Outside decoding too, a GQA group whose queries fit one q block folds (here 64 rows, the
+    training blocks): causal and window limits follow each folded row's query, in groups that
+    are not powers of two as well."""
+    launched = []
+    forward = tri._fwd
+    monkeypatch.setattr(
+        tri, "_fwd", lambda q, *rest, **kw: launched.append(q.shape) or forward(q, *rest, **kw)
+    )
+    args, dout, spec = _case(
+        f"fold-{seq_q}-{seq_k}-{heads}", seq_q=seq_q, seq_k=seq_k, heads=heads,
+        kv_heads=kv_heads, causal=True, window=window,
+    )  # fmt: skip
+    _check(args, dout, spec, fp=FwdParams(q_blocksize=64, kv_blocksize=16))
+    assert launched == [(2, seq_q * heads // kv_heads, kv_heads, 32)]
+
+
 def test_decoding_runs_under_vmap_and_tunes_its_splits():
     """The split forward batches under vmap (the merge is XLA's); the tuner tries the decoding
     forward with half and twice the splits, 64-key blocks and fewer stages, and its backward with
