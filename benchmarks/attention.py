@@ -262,9 +262,12 @@ def rel_err(a: jax.Array, b: jax.Array) -> float:
 
 
 def fwd_bwd(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    """``(q, k, v) -> out`` as ``(q, k, v, do) -> (out, dq, dk, dv)`` (``do`` cast to the output's
+    dtype: a float32 reference takes the same cotangents as the kernels)."""
+
     def run(q, k, v, do):
         out, vjp = jax.vjp(fn, q, k, v)
-        return out, *vjp(do)
+        return out, *vjp(do.astype(out.dtype))
 
     return run
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from attention import check_then_time, rel_err, save_rows
+from attention import check_then_time, fwd_bwd, rel_err, save_rows
 
 import ejkfn
 from ejkfn import FwdParams
@@ -172,16 +172,6 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None =
     )
 
 
-def with_gradients(fn: Callable[..., jax.Array]) -> Callable[..., tuple[jax.Array, ...]]:
-    """``(q, k, v) -> out`` as ``(q, k, v, dout) -> (out, dq, dk, dv)``, jitted."""
-
-    def run(q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array) -> tuple[jax.Array, ...]:
-        out, vjp = jax.vjp(fn, q, k, v)
-        return (out, *vjp(dout.astype(out.dtype)))
-
-    return jax.jit(run)
-
-
 REFERENCE = "float32 reference"
 
 
@@ -202,8 +192,8 @@ def measure(
     if backward:
         # The reference is the baseline: each gradient is compared with its own (it runs first,
         # outside check_then_time's guard, and never raises); its row is dropped below.
-        fns = {n: with_gradients(fn) for n, fn in fns.items()}
-        fns = {REFERENCE: with_gradients(lambda q, k, v: reference(q, k, v, mask)), **fns}
+        fns = {n: jax.jit(fwd_bwd(fn)) for n, fn in fns.items()}
+        fns = {REFERENCE: jax.jit(fwd_bwd(lambda q, k, v: reference(q, k, v, mask))), **fns}
         first, error = REFERENCE, rel_err
     else:
         want = jax.jit(reference)(*sets[0], mask)

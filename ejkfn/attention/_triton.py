@@ -333,19 +333,14 @@ def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret, row_
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
     splits = min(params.kv_splits, _cdiv(call.seq_k, block_k))  # at least a block each
-    partial = splits > 1  # each split writes a float32 output and lse, merged below
-    out_dtype = jnp.float32 if partial else q.dtype
+    out_shape, out_stride = _split_outputs(q.shape, q.dtype, splits)  # merged below
+    lse_shape, lse_stride = _split_outputs(call.row_stats.shape, jnp.float32, splits)
     kern = _kernels(interpret)
     out, lse = launch(
         kern.fwd_kernel,
         *call.inputs,
         grid=(_cdiv(call.seq_q, block_q) * call.batch * call.heads, splits),  # numbered by _tile
-        out_shapes=(
-            jax.ShapeDtypeStruct((splits, *q.shape) if partial else q.shape, out_dtype),
-            jax.ShapeDtypeStruct((splits, *call.row_stats.shape), jnp.float32)
-            if partial
-            else call.row_stats,
-        ),
+        out_shapes=(out_shape, lse_shape),
         num_warps=params.num_warps,
         num_stages=call.stages(block_q, block_k, params.num_stages, resident=1, dkdv=False),
         interpret=interpret,
@@ -355,17 +350,28 @@ def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret, row_
         SOH=call.meta["SQH"],
         BAND=forward_band(AttentionShape.of(q, k, spec), _cdiv(call.seq_q, block_q)),
         KV_SPLITS=splits,
-        SOX=int(np.prod(q.shape)) if partial else 0,  # one partial result's size
-        SLX=int(np.prod(call.row_stats.shape)) if partial else 0,
+        SOX=out_stride,
+        SLX=lse_stride,
         ROW_GROUP=row_group,
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
         BLOCK_D=call.block_d,
     )
-    if partial:
+    if splits > 1:
         out, lse = merge_partials(out, lse)
         out = out.astype(q.dtype)
     return out, lse
+
+
+def _split_outputs(
+    shape: tuple[int, ...], dtype: Any, splits: int
+) -> tuple[jax.ShapeDtypeStruct, int]:
+    """The output of a kernel whose programs split the keys ``splits`` ways, and the stride
+    between its partial results: float32 partials stacked ahead, each ``shape`` (summed or merged
+    by the caller), or without a split the output itself (stride 0)."""
+    if splits > 1:
+        return jax.ShapeDtypeStruct((splits, *shape), jnp.float32), int(np.prod(shape))
+    return jax.ShapeDtypeStruct(shape, dtype), 0
 
 
 def bwd(
@@ -404,7 +410,7 @@ def bwd(
         **meta, SDOB=meta["SQB"], SDOS=meta["SQS"], SDOH=meta["SQH"], BLOCK_D=call.block_d
     )
     splits = min(params.kv_splits, _cdiv(call.seq_k, dq_cols))  # at least a block each
-    partial = splits > 1  # each split writes a float32 dQ over its keys, summed below
+    dq_shape, dq_stride = _split_outputs(q.shape, q.dtype, splits)  # summed below
     dq, delta, lse2 = launch(
         kern.bwd_dq_kernel,
         *call.inputs,
@@ -412,23 +418,17 @@ def bwd(
         lse,
         out,
         grid=(_cdiv(call.seq_q, dq_rows), bh, splits),
-        out_shapes=(
-            jax.ShapeDtypeStruct((splits, *q.shape), jnp.float32)
-            if partial
-            else jax.ShapeDtypeStruct(q.shape, q.dtype),
-            call.row_stats,
-            call.row_stats,
-        ),
+        out_shapes=(dq_shape, call.row_stats, call.row_stats),
         num_warps=dq_run.num_warps,
         num_stages=call.stages(dq_rows, dq_cols, dq_run.num_stages, resident=2, dkdv=False),
         interpret=interpret,
         KV_SPLITS=splits,
-        SDX=int(np.prod(q.shape)) if partial else 0,  # one partial dQ's size
+        SDX=dq_stride,
         BLOCK_Q=dq_rows,
         BLOCK_K=dq_cols,
         **common,
     )
-    if partial:
+    if splits > 1:
         dq = dq.sum(axis=0).astype(q.dtype)
     has_bias = bias is not None
     dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
@@ -556,29 +556,34 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     rows = folded_rows(shape, most)
     q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
-    tiles = shape.batch * (shape.kv_heads if folded else shape.heads) * _cdiv(rows, q_block)
-    programs = DECODE_PROGRAMS if q_block <= 64 else DECODE_PROGRAMS // 2
+    heads = shape.kv_heads if folded else shape.heads
     kv_block = 128 if wide else 32
-    runs = max(1, _cdiv(shape.seq_k, kv_block * DECODE_MIN_BLOCKS))
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
         num_warps=4 if q_block <= 64 else 8,
         num_stages=3 if wide else 2,
-        kv_splits=max(1, min(runs, programs // tiles)),
+        kv_splits=_key_splits(shape.batch * heads, rows, q_block, shape.seq_k, kv_block),
     )
 
 
+def _key_splits(heads: int, rows: int, block_rows: int, keys: int, block_keys: int) -> int:
+    """How many ways a decoding kernel's programs split each q tile's keys: until about
+    ``DECODE_PROGRAMS`` programs run (half as many of tiles over 64 rows), each walking at least
+    ``DECODE_MIN_BLOCKS`` key blocks. ``heads`` counts (batch, head) pairs of ``rows`` rows."""
+    tiles = heads * _cdiv(rows, block_rows)
+    programs = DECODE_PROGRAMS if block_rows <= 64 else DECODE_PROGRAMS // 2
+    runs = max(1, _cdiv(keys, block_keys * DECODE_MIN_BLOCKS))
+    return max(1, min(runs, programs // tiles))
+
+
 def _dq_splits(shape: AttentionShape, bp: BwdParams) -> int:
-    """Key splits of a decoding call's dQ kernel, whose few q tiles each walk every key: as for
-    the forward, until about ``DECODE_PROGRAMS`` programs run (half as many of 128-row tiles)."""
+    """Key splits of a decoding call's dQ kernel, whose few q tiles each walk every key, as the
+    forward's (:func:`_key_splits`)."""
     run = dq_launch(bp)
     rows = _clamp_block(run.rows, shape.seq_q, "dQ rows")
     cols = _clamp_block(run.cols, shape.seq_k, "dQ columns")
-    tiles = shape.batch * shape.heads * _cdiv(shape.seq_q, rows)
-    programs = DECODE_PROGRAMS if rows <= 64 else DECODE_PROGRAMS // 2
-    runs = max(1, _cdiv(shape.seq_k, cols * DECODE_MIN_BLOCKS))
-    return max(1, min(runs, programs // tiles))
+    return _key_splits(shape.batch * shape.heads, shape.seq_q, rows, shape.seq_k, cols)
 
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
