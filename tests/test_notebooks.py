@@ -46,7 +46,7 @@ EXPECTED: dict[str, tuple[str, ...]] = {
     "03_offline_tuning": (
         "AutotuningResult(2 configs, 0 unmatched labels)",
         "every label carries the tuned config",
-        "different configs: True",
+        "each layer carries its own call's tuned config: True",
     ),
     "04_multi_device": (
         "CpuDevice(id=3)",
