@@ -475,10 +475,9 @@ class Tuner:
                 backward = False
                 notes.append(f"backward not timed, forward only ({_short(exc)})")
 
-        def build(configured: Kernel) -> Callable[..., Any]:
+        def build(owner: Kernel, cfg: Any) -> Callable[..., Any]:
             program = _forward_and_backward if backward else _forward
-            fn = program(configured, configured.cfg, static)
-            return jax.jit(fn).lower(*timed_args).compile()
+            return jax.jit(program(owner, cfg, static)).lower(*timed_args).compile()
 
         reference = self._reference_kernel(inv, notes)
 
@@ -495,10 +494,10 @@ class Tuner:
         results: dict[int, CandidateResult] = {}
         threads = self.compile_threads or min(len(candidates), os.cpu_count() or 1)
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(threads, 1)) as pool:
-            futures = {
-                pool.submit(build, kernel.with_cfg(cfg)): i for i, cfg in enumerate(candidates)
-            }
-            checking = pool.submit(build, reference) if reference is not None else None
+            futures = {pool.submit(build, kernel, cfg): i for i, cfg in enumerate(candidates)}
+            checking = (
+                pool.submit(build, reference, reference.cfg) if reference is not None else None
+            )
             for fut in concurrent.futures.as_completed(futures):
                 i = futures[fut]
                 try:
@@ -544,7 +543,7 @@ def _forward(kernel: Kernel, cfg: Any, static: Any) -> Callable[[list[Any]], Any
 
 
 def _float_outputs(out: Any) -> list[Any]:
-    return [o for o in jax.tree.leaves(out) if jnp.issubdtype(o.dtype, jnp.inexact)]
+    return [o for o in jax.tree.leaves(out) if _inexact(o)]
 
 
 def _cotangents(
@@ -572,7 +571,7 @@ def _forward_and_backward(kernel: Kernel, cfg: Any, static: Any) -> Callable[...
 
     def run(dynamic: list[Any], cotangents: list[jax.Array]) -> Any:
         # Differentiate with respect to floating arrays only; the rest ride along as constants.
-        is_float = [jnp.issubdtype(x.dtype, jnp.inexact) for x in dynamic]
+        is_float = [_inexact(x) for x in dynamic]
         floats = [x for x, f in zip(dynamic, is_float, strict=True) if f]
 
         def of_floats(fl: list[Any]) -> list[Any]:
