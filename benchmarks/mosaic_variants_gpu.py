@@ -71,7 +71,8 @@ SHAPES = "2x8192x16x128,4x4096x16x128,2x16384x16x128,8x2048x32x64,2x8192x32x128x
 
 def forward_blocks(text: str) -> list[FwdParams]:
     """``"192x2,128x2x256"`` -> forward params of those key blocks x ring slots [x query rows: 128,
-    one CTA a tile (the default), or 256, a cluster of two sharing each key/value copy]."""
+    one CTA a tile (the default), or 256 or 512, a cluster of two or four sharing each key/value
+    copy]."""
     out = []
     for item in filter(None, text.split(",")):
         try:
@@ -159,7 +160,8 @@ def implementations(
             impls["auto"] = jax.jit(selected)
 
         def blocks_name(fp: FwdParams) -> str:
-            cluster = " cluster of 2" if fp.q_blocksize > _pallas_mosaic.CTA_ROWS else ""
+            ctas = fp.q_blocksize // _pallas_mosaic.CTA_ROWS
+            cluster = f" cluster of {ctas}" if ctas > 1 else ""
             return f"mosaic {fp.kv_blocksize}x{fp.num_stages}{cluster}"
 
         for fp in fwds:

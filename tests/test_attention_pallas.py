@@ -494,10 +494,13 @@ MOSAIC_CASES = {
         (Case(seq_q=256, seq_k=192, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
          256),
         (Case(seq_q=200, seq_k=256, dim=64, dtype=jnp.bfloat16), 256),  # the second CTA: padding
+        # 512: four CTAs; the causal union spans all four's diagonals, keys shorter than queries
+        (Case(seq_q=512, seq_k=448, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
+         512),
     ],
     ids=[
         "f16_causal_gqa", "bf16_d80_q_longer", "bf16_negative_scale", "cluster_f16_causal_gqa",
-        "cluster_bf16_q_shorter",
+        "cluster_bf16_q_shorter", "cluster4_f16_causal_gqa",
     ],
 )  # fmt: skip
 def test_mosaic_forward_in_gpu_interpreter(case, q_rows):

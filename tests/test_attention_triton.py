@@ -607,11 +607,11 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     at most 64 tiles of 128) and split the keys into runs of at least four blocks, until about 256
     programs run (128 of 128-row tiles); other calls split nothing."""
 
-    def forward(batch, seq_q, seq_k, heads, kv_heads, dtype="bfloat16", **spec_kw):
+    def forward(batch, seq_q, seq_k, heads, kv_heads, dtype="bfloat16", head_dim=128, **spec_kw):
         spec = AttentionSpec(scale=0.1, **spec_kw)
         shape = AttentionShape(
-            batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads, head_dim=128,
-            dtype=dtype, spec=spec,
+            batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads, kv_heads=kv_heads,
+            head_dim=head_dim, dtype=dtype, spec=spec,
         )  # fmt: skip
         p = tri.heuristic(shape)[0]
         return p.q_blocksize, p.kv_blocksize, p.kv_splits
@@ -626,6 +626,9 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(64, 1, 4096, 32, 8) == (16, 128, 1)  # 512 folded heads fill it already
     assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
     assert forward(1, 32, 4096, 32, 8, dtype="float32") == (32, 32, 8)  # 64-row blocks at most
+    # head dim 256: 64-row blocks at most, 64-key blocks
+    assert forward(8, 1, 8192, 16, 8, head_dim=256) == (16, 64, 4)
+    assert forward(2, 128, 16384, 16, 8, head_dim=256) == (64, 64, 4)
     assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
     assert forward(1, 128, 512, 4, 4)[2] == 1  # fewer than 8 keys a row
     # more rows than a block, in at most 64 tiles of 128 rows: 128 programs

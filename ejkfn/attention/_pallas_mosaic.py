@@ -120,6 +120,8 @@ FUSED_CAUSAL_KEYS = {64: 2048, 128: 4096}
 # 20261127-232134.json, ..._H100_80GB_HBM3_20261127-232629.json, -232704.json; benchmarks/NOTES.md,
 # thirty-seventh round).
 ONE_TILE_CAUSAL_KEYS = 16384
+# Query rows of a cluster's tile: two or four CTAs of CTA_ROWS sharing each key/value copy.
+CLUSTER_ROWS = (2 * CTA_ROWS, 4 * CTA_ROWS)
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
 # to fill and an epilogue.
 MIN_TAIL_PIECE = 4
@@ -229,7 +231,7 @@ class _Geom:
         whole rounds where the last is split)."""
         if self.tail is not None:
             return self.tail.rounds
-        resident = self.resident // self.cluster
+        resident = max(1, self.resident // self.cluster)
         if not (self.balanced and self.persistent):  # nothing to balance: skip counting the work
             return Rounds.of(self.heads * self.q_tiles * self.batch, resident, self.persistent)
         return Rounds.balanced(self.tile_work(), resident, self.persistent)
@@ -567,12 +569,13 @@ def _forward(
     bk = min(params.kv_blocksize, _whole_64s(seq_k))
     if bk % 64 or bk > 256:
         raise ValueError(f"kv_blocksize={params.kv_blocksize} must be 64, 128, 192 or 256")
-    if params.q_blocksize > CTA_ROWS and params.q_blocksize != 2 * CTA_ROWS:
+    cluster = max(1, params.q_blocksize // CTA_ROWS)
+    if params.q_blocksize > CTA_ROWS and params.q_blocksize not in CLUSTER_ROWS:
         raise ValueError(
             f"q_blocksize={params.q_blocksize} must be at most {CTA_ROWS} (one CTA a tile of "
-            f"{CTA_ROWS} rows) or {2 * CTA_ROWS} (a cluster of two CTAs sharing each key/value copy)"
+            f"{CTA_ROWS} rows) or one of {CLUSTER_ROWS} (a cluster of CTAs sharing each key/value "
+            "copy)"
         )
-    cluster = 2 if params.q_blocksize > CTA_ROWS else 1
     sqp = -(-seq_q // (cluster * CTA_ROWS)) * cluster * CTA_ROWS
     skp = -(-seq_k // bk) * bk
     g = _Geom(

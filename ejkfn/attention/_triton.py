@@ -537,6 +537,11 @@ def _float32_blocks(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 # 4x32:16384x32(8 kv)x128 and 1x128:32768x32(8 kv)x128 causal (-181613.json).
 DECODE_PROGRAMS = 256
 DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
+# Key blocks of a 16-bit decoding forward at head dims over 128, on three stages: at four
+# Gemma-like shapes (16 heads, 8 kv, head dim 256; 1-128 queries) 0.89-1.00x the fastest of eight
+# blocks, where 32 keys on two stages ran 0.83-0.95x
+# (results/decode_NVIDIA_H200_20261129-210334.json).
+DECODE_WIDE_HEAD_KEYS = 64
 
 
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
@@ -551,18 +556,19 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     queries a head (-184738.json: 1.22-1.24x the unsplit 64-row forward)."""
     if decoding_rows(shape) is None:
         return None
-    wide = shape.dtype != "float32" and _block_d(shape.head_dim) <= 128
-    most = 128 if wide else 64  # float32 or D = 256: the narrow tiles' products are FMAs
+    float32 = shape.dtype == "float32"  # products as FMAs: small tiles hold their operands
+    d = _block_d(shape.head_dim)
+    most = 64 if float32 or d > 128 else 128
     rows = folded_rows(shape, most)
     q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
     heads = shape.kv_heads if folded else shape.heads
-    kv_block = 128 if wide else 32
+    kv_block = 32 if float32 else 128 if d <= 128 else DECODE_WIDE_HEAD_KEYS
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
         num_warps=4 if q_block <= 64 else 8,
-        num_stages=3 if wide else 2,
+        num_stages=2 if float32 else 3,
         kv_splits=_key_splits(shape.batch * heads, rows, q_block, shape.seq_k, kv_block),
     )
 
