@@ -758,6 +758,41 @@ def test_interleaved_seconds_lengthens_short_batches(slow_call):
         ejkfn.Tuner(settle_seconds=-1.0)
 
 
+def test_calls_back_to_back_keep_a_bounded_number_unfinished(monkeypatch):
+    """The timed and settling calls wait on the call ``MAX_IN_FLIGHT`` back before dispatching
+    more, so a slow kernel's queued outputs and scratch cannot fill the device; every call has
+    finished when the batch returns."""
+
+    class Call:
+        def __init__(self):
+            self.done = False
+
+    calls: list[Call] = []
+    most = [0]
+
+    def dispatch():
+        most[0] = max(most[0], sum(not c.done for c in calls))
+        calls.append(Call())
+        return calls[-1]
+
+    def block(tree):
+        # waiting on a call means the device, running in order, has run every call before it
+        last = max(
+            calls.index(c) for c in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, Call))
+        )
+        for c in calls[: last + 1]:
+            c.done = True
+        return tree
+
+    monkeypatch.setattr(_tune, "_block", block)
+    _tune._seconds_per_call(dispatch, 100, None)
+    assert most[0] == _tune.MAX_IN_FLIGHT and all(c.done for c in calls)
+    calls.clear()
+    most[0] = 0
+    _tune._settle(dispatch, 40)
+    assert most[0] == _tune.MAX_IN_FLIGHT and all(c.done for c in calls) and len(calls) == 40
+
+
 def test_tuner_settles_each_candidate_before_timing_it(slow_call):
     """``Tuner(settle_seconds=...)`` lengthens the untimed calls before each timed batch as
     :func:`interleaved_seconds` does (here 0.04 s of 6 ms calls before each of 3 turns)."""
