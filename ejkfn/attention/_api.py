@@ -57,7 +57,9 @@ _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
 # queries, 0.85x at 64, 0.78-0.86x at 32, 65 and 128, and 1.02x at 32 causal (cross-attention;
 # -183302.json, -184010.json to -184414.json); above it training keeps the order of other calls.
 # With the dQ kernel's keys split since, 1.48x at 16 queries and 1.04x at 128 (-185617.json,
-# -185744.json): one reading at 128, not enough to move the rule.
+# -185744.json): one reading at 128, not enough to move the rule. Read again with the split:
+# 0.86x at 32 queries (1.02x causal), 0.57x at 64 (0.70x causal), 1.47x at 16 causal
+# (-205836.json to -210131.json).
 _AUTO_ORDER_DECODING = {"gpu": ("triton", "cudnn", "pallas", "xla")}
 _TRITON_TRAINS_QUERIES = 16
 _CONFIG_PLATFORMS = tuple(p.value for p in Platform if p is not Platform.AUTO)
