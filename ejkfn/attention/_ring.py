@@ -33,7 +33,7 @@ from .._platform import device_kind
 from .._registry import BwdParams, FwdParams
 from . import _backend
 from ._api import _AUTO_ORDER, AttentionConfig, _number, _window
-from ._backend import AttentionBackend, AttentionShape, backend_for
+from ._backend import AttentionBackend, AttentionShape, backend_for, merge_partials
 from ._mosaic_grid import sparing_sms
 from ._spec import AttentionSpec
 
@@ -208,21 +208,6 @@ class _Local:
             _pad_rows(dk.astype(jnp.float32), pair.k_start, length, 1),
             _pad_rows(dv.astype(jnp.float32), pair.k_start, length, 1),
         )
-
-
-def _merge(
-    o1: jax.Array, l1: jax.Array, o2: jax.Array, l2: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Combine two normalised partial results by their log-sum-exps (rows at -inf stay empty)."""
-    m = jnp.maximum(l1, l2)
-    m_safe = jnp.where(m == -jnp.inf, 0.0, m)
-    w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
-    total = w1 + w2
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    a1 = jnp.moveaxis(w1 * inv, 1, 2)[..., None]  # [B, H, S] -> [B, S, H, 1]
-    a2 = jnp.moveaxis(w2 * inv, 1, 2)[..., None]
-    return o1 * a1 + o2 * a2, lse
 
 
 def _choose(
@@ -441,7 +426,8 @@ def _ring(
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return by.fwd(pair, q, kb, vb)
 
-            out, lse = _merge(out, lse, *at_step(s, part, part))
+            out_s, lse_s = at_step(s, part, part)
+            out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
         return out.astype(q.dtype), lse
 
     @jax.custom_vjp
