@@ -634,14 +634,16 @@ def test_mosaic_cluster_forward_lowers_for_cuda():
         return _lower(_pallas_mosaic, case, H100, "cuda", fp=fp, bwd=False)
 
     assert "gpu.cluster_block_id" in lowered(256)
+    assert "gpu.cluster_block_id" in lowered(512)  # four CTAs
     assert "gpu.cluster_block_id" not in lowered(128)
 
 
-def test_mosaic_forward_refuses_other_query_rows():
+@pytest.mark.parametrize("q_rows", [192, 384, 1024])  # not one CTA, nor a cluster of 2 or 4
+def test_mosaic_forward_refuses_other_query_rows(q_rows):
     case = MOSAIC_CASES["f16_d64"]
     x = _abstract_inputs(case)
-    params = FwdParams(q_blocksize=192, kv_blocksize=128, num_stages=2)
-    with pytest.raises(ValueError, match="q_blocksize=192"):
+    params = FwdParams(q_blocksize=q_rows, kv_blocksize=128, num_stages=2)
+    with pytest.raises(ValueError, match=f"q_blocksize={q_rows}"):
         jax.eval_shape(
             functools.partial(_pallas_mosaic.fwd, spec=case.spec, params=params, interpret=False),
             x["q"], x["k"], x["v"],
