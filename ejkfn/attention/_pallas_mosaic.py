@@ -19,7 +19,9 @@ runs of eight shapes; benchmarks/NOTES.md, eighteenth round).
 With ``q_blocksize=256`` two CTAs on neighbouring query tiles form a cluster: each memory
 warpgroup copies half of every key and value block and TMA multicasts it to both, and a slot is
 refilled once both CTAs have released it (the heuristic's on the grid of one CTA a tile; a tuner
-candidate elsewhere, where it measured even with one CTA a tile).
+candidate elsewhere, where it measured even with one CTA a tile). ``q_blocksize=512`` makes
+clusters of four the same way: at long causal context they clocked 4-5% higher than pairs and did
+9-10% less a clock (benchmarks/NOTES.md, fifty-eighth round), so nothing chooses them.
 Without a mask, where a last round of tiles would leave CTAs idle, its key blocks are dealt out to
 every CTA instead (``_mosaic_grid.SplitTail``) and each split tile's pieces merged after the kernel
 by their softmax sums (1-2% on an H200 where the last round idled most CTAs).
@@ -541,7 +543,7 @@ def fwd(
     ``params.kv_blocksize`` is the key block (64, 128, 192 or 256), ``params.num_stages`` the depth of the
     shared-memory ring (>= 2); query tiles are 128 rows (two warpgroups of 64), or with
     ``params.q_blocksize=256`` 256 rows on a cluster of two CTAs, each key/value block copied once
-    and multicast to both (any ``q_blocksize`` up to 128 means one CTA a tile).
+    and multicast to both (512: four CTAs; any ``q_blocksize`` up to 128 means one CTA a tile).
     On a CPU the kernel runs in Mosaic GPU's interpreter (threads, barriers and TMA simulated: slow).
     """
     return _forward(q, k, v, spec=spec, params=params, interpret=interpret)
