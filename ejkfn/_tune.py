@@ -66,21 +66,25 @@ def _block(tree: Any) -> Any:
 
 # Unfinished calls at most while calls run back to back. Each holds its outputs and scratch from
 # dispatch until the device has run it, and a host dispatching ahead of a 1.5 ms backward ran an
-# H200's 141 GB out (the allocator then retries without end: the timing hung); sixteen queued
-# calls still keep the device busy while the host waits on the oldest (benchmarks/NOTES.md,
-# fifty-eighth round).
+# H200's 141 GB out (the allocator then retries without end: the timing hung). With this many
+# queued, the host waits on the older half once every half: the device never runs dry, and a wait
+# (tens of microseconds of Python for a tree of outputs) is paid once in eight calls
+# (benchmarks/NOTES.md, fifty-eighth round).
 MAX_IN_FLIGHT = 16
 
 
 def _back_to_back(fn: Callable[[], Any], calls: int) -> None:
-    """``calls`` calls of ``fn`` dispatched back to back, each one's dispatch waiting for the call
-    ``MAX_IN_FLIGHT`` before it to finish; returns once all have. A device runs one stream in
-    order, so the waits never idle it."""
+    """``calls`` calls of ``fn`` dispatched back to back, at most ``MAX_IN_FLIGHT`` unfinished:
+    once that many are, it waits for the older half (a device runs one stream in order, so the
+    newest of them finishing means all have). Returns once every call has finished."""
+    half = MAX_IN_FLIGHT // 2
     in_flight: collections.deque[Any] = collections.deque()
     for _ in range(calls):
         in_flight.append(fn())
-        if len(in_flight) > MAX_IN_FLIGHT:
-            _block(in_flight.popleft())
+        if len(in_flight) == MAX_IN_FLIGHT:
+            _block(in_flight[half - 1])
+            for _ in range(half):
+                in_flight.popleft()
     _block(list(in_flight))
 
 

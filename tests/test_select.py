@@ -759,9 +759,9 @@ def test_interleaved_seconds_lengthens_short_batches(slow_call):
 
 
 def test_calls_back_to_back_keep_a_bounded_number_unfinished(monkeypatch):
-    """The timed and settling calls wait on the call ``MAX_IN_FLIGHT`` back before dispatching
-    more, so a slow kernel's queued outputs and scratch cannot fill the device; every call has
-    finished when the batch returns."""
+    """The timed and settling calls keep at most ``MAX_IN_FLIGHT`` unfinished, so a slow kernel's
+    queued outputs and scratch cannot fill the device; every call has finished when the batch
+    returns."""
 
     class Call:
         def __init__(self):
@@ -771,8 +771,8 @@ def test_calls_back_to_back_keep_a_bounded_number_unfinished(monkeypatch):
     most = [0]
 
     def dispatch():
-        most[0] = max(most[0], sum(not c.done for c in calls))
         calls.append(Call())
+        most[0] = max(most[0], sum(not c.done for c in calls))  # this one among them
         return calls[-1]
 
     def block(tree):
