@@ -137,9 +137,9 @@ def interleaved_seconds[K](
     After ``warmup`` calls of each (one at a time, each waited on), the ``calls`` timed calls of each
     are split over ``rounds`` rounds. In a round the functions take turns in a new (seeded) order;
     a turn runs ``settle`` untimed calls, then its share of the timed calls back to back (at most
-    ``MAX_IN_FLIGHT`` unfinished at once), and reads the time per call. Drifts of the machine's speed then fall on all alike, and
-    none is timed in the wake of a lighter one: a GPU's clock follows the power drawn, so a kernel
-    timed right after a light one reads fast. A function that raises, or whose call takes more than
+    ``MAX_IN_FLIGHT`` unfinished at once), and reads the time per call. Drifts of the machine's
+    speed then fall on all alike, and none is timed in the wake of a lighter one: a GPU's clock
+    follows the power drawn, so a kernel timed right after a light one reads fast. A function that raises, or whose call takes more than
     ``bound`` seconds, drops out with that exception. Where a function's share of a round would
     last less than ``min_batch_seconds`` (judged by its fastest warm-up call; none without
     warm-up), its turns run that many seconds' worth of calls instead (at most
