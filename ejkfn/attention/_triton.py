@@ -539,8 +539,9 @@ DECODE_PROGRAMS = 256
 DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
 # Key blocks of a 16-bit decoding forward at head dims over 128, on three stages: at four
 # Gemma-like shapes (16 heads, 8 kv, head dim 256; 1-128 queries) 0.89-1.00x the fastest of eight
-# blocks, where 32 keys on two stages ran 0.83-0.95x (results/decode_NVIDIA_H200_20261129-210334.json);
-# beside them again at seven shapes 1.12-1.52x (-210755.json).
+# blocks, where 32 keys on two stages ran 0.83-0.95x
+# (results/decode_NVIDIA_H200_20261129-210334.json); beside them again at seven shapes 1.12-1.52x
+# (-210755.json). They spill nothing (benchmarks/NOTES.md, fifty-eighth round).
 DECODE_WIDE_HEAD_KEYS = 64
 
 
