@@ -626,10 +626,25 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(64, 1, 4096, 32, 8) == (16, 128, 1)  # 512 folded heads fill it already
     assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
     assert forward(1, 32, 4096, 32, 8, dtype="float32") == (32, 32, 8)  # 64-row blocks at most
+    # float32 at head dim 256: 16-row blocks at most (64 spill 28 KB a thread), so a group of 4
+    # folds and one of 8 (32 rows) does not
+    assert forward(1, 4, 4096, 16, 4, dtype="float32", head_dim=256) == (16, 32, 32)
+    assert forward(1, 4, 4096, 64, 8, dtype="float32", head_dim=256) == (16, 32, 4)
     # head dim 256: 64-row blocks at most, 64-key blocks
     assert forward(8, 1, 8192, 16, 8, head_dim=256) == (16, 64, 4)
     assert forward(2, 128, 16384, 16, 8, head_dim=256) == (64, 64, 4)
     assert forward(2, 4096, 4096, 16, 16)[2] == 1  # not decoding
+
+    def float32_warps(head_dim: int, **spec_kw) -> int:
+        shape = AttentionShape(
+            batch=1, seq_q=32, seq_k=4096, heads=8, kv_heads=8, head_dim=head_dim,
+            dtype="float32", spec=AttentionSpec(scale=0.1, **spec_kw),
+        )  # fmt: skip
+        return tri.heuristic(shape)[0].num_warps
+
+    # float32 decoding takes the training forward's warps: 8 (4 at head dim 128 causal, and at 256)
+    assert [float32_warps(d) for d in (64, 128, 256)] == [8, 8, 4]
+    assert [float32_warps(d, causal=True) for d in (64, 128, 256)] == [8, 4, 4]
     assert forward(1, 128, 512, 4, 4)[2] == 1  # fewer than 8 keys a row
     # more rows than a block, in at most 64 tiles of 128 rows: 128 programs
     assert forward(1, 256, 32768, 32, 8, causal=True) == (128, 128, 2)

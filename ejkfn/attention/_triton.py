@@ -543,6 +543,13 @@ DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
 # (results/decode_NVIDIA_H200_20261129-210334.json); beside them again at seven shapes 1.12-1.52x
 # (-210755.json). They spill nothing (benchmarks/NOTES.md, fifty-eighth round).
 DECODE_WIDE_HEAD_KEYS = 64
+# A float32 decoding forward's most query rows a block, at head dims up to 128 and over (32-key
+# blocks, two stages, the training forward's warps). Compiled for sm_90a (triton_sass.py): at head
+# dim 256, 64 rows spill 28 KB a thread on 4 warps (3.3 KB on 8), where a 13 KB spill had run 12x
+# slower (_float32_blocks), and 16 rows, the training blocks there, nothing. At head dim 128
+# without a mask 4 warps spill 280-2360 bytes (16-64 rows) and 8 nothing. Not yet timed
+# (benchmarks/NOTES.md, fifty-eighth round).
+DECODE_FLOAT32_ROWS = {False: 64, True: 16}
 
 
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
@@ -557,19 +564,24 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     queries a head (-184738.json: 1.22-1.24x the unsplit 64-row forward)."""
     if decoding_rows(shape) is None:
         return None
-    float32 = shape.dtype == "float32"  # products as FMAs: small tiles hold their operands
     d = _block_d(shape.head_dim)
-    most = 64 if float32 or d > 128 else 128
+    if shape.dtype == "float32":  # products as FMAs, their operands in registers
+        most, kv_block, stages = DECODE_FLOAT32_ROWS[d > 128], 32, 2
+    else:
+        most, kv_block, stages = (128, 128, 3) if d <= 128 else (64, DECODE_WIDE_HEAD_KEYS, 3)
     rows = folded_rows(shape, most)
     q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
     heads = shape.kv_heads if folded else shape.heads
-    kv_block = 32 if float32 else 128 if d <= 128 else DECODE_WIDE_HEAD_KEYS
+    if shape.dtype == "float32":  # the training forward's warps (_float32_blocks), measured there
+        warps = _float32_blocks(shape)[0].num_warps
+    else:
+        warps = 4 if q_block <= 64 else 8
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
-        num_warps=4 if q_block <= 64 else 8,
-        num_stages=2 if float32 else 3,
+        num_warps=warps,
+        num_stages=stages,
         kv_splits=_key_splits(shape.batch * heads, rows, q_block, shape.seq_k, kv_block),
     )
 
