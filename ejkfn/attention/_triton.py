@@ -543,13 +543,13 @@ DECODE_MIN_BLOCKS = 4  # key blocks a split walks at least
 # (results/decode_NVIDIA_H200_20261129-210334.json); beside them again at seven shapes 1.12-1.52x
 # (-210755.json). They spill nothing (benchmarks/NOTES.md, fifty-eighth round).
 DECODE_WIDE_HEAD_KEYS = 64
-# A float32 decoding forward's most query rows a block, at head dims up to 128 and over (32-key
+# A float32 decoding forward's most query rows a block above head dim 128 (64 up to it; 32-key
 # blocks, two stages, the training forward's warps). Compiled for sm_90a (triton_sass.py): at head
 # dim 256, 64 rows spill 28 KB a thread on 4 warps (3.3 KB on 8), where a 13 KB spill had run 12x
 # slower (_float32_blocks), and 16 rows, the training blocks there, nothing. At head dim 128
 # without a mask 4 warps spill 280-2360 bytes (16-64 rows) and 8 nothing. Not yet timed
 # (benchmarks/NOTES.md, fifty-eighth round).
-DECODE_FLOAT32_ROWS = {False: 64, True: 16}
+DECODE_FLOAT32_WIDE_HEAD_ROWS = 16
 
 
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
@@ -565,18 +565,17 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     if decoding_rows(shape) is None:
         return None
     d = _block_d(shape.head_dim)
-    if shape.dtype == "float32":  # products as FMAs, their operands in registers
-        most, kv_block, stages = DECODE_FLOAT32_ROWS[d > 128], 32, 2
+    float32 = shape.dtype == "float32"  # products as FMAs, their operands in registers
+    if float32:
+        most, kv_block, stages = (64 if d <= 128 else DECODE_FLOAT32_WIDE_HEAD_ROWS), 32, 2
     else:
         most, kv_block, stages = (128, 128, 3) if d <= 128 else (64, DECODE_WIDE_HEAD_KEYS, 3)
     rows = folded_rows(shape, most)
     q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
     heads = shape.kv_heads if folded else shape.heads
-    if shape.dtype == "float32":  # the training forward's warps (_float32_blocks), measured there
-        warps = _float32_blocks(shape)[0].num_warps
-    else:
-        warps = 4 if q_block <= 64 else 8
+    # float32: the training forward's warps (_float32_blocks), measured there
+    warps = _float32_blocks(shape)[0].num_warps if float32 else 4 if q_block <= 64 else 8
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
