@@ -14,11 +14,17 @@ merit is its rate in GB/s of q, k, v and the output against the copy ceiling
 
     python3 benchmarks/decode_gpu.py [--shapes 1x1x32768x32x8x128,...] [--out DIR]
         [--sweep 64x4x3xm2,...] [--skip xla/chunked,...] [--backward]
+        [--dtype float32] [--feature bias|dropout|soft_cap]
 
 A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``, with a ``c`` after it for causal calls
 (the queries are the cache's last positions: speculative decoding, a chunk of a prefill); there
 ``jax.nn``'s rows get that mask explicitly (its ``is_causal`` aligns the queries with the first
 keys).
+
+``--dtype`` sets q, k and v's dtype (and a bias's); ``--feature`` adds a bias (``[1, H, Sq, Sk]``,
+one a head), dropout or a logits soft cap to every call (features_gpu.py's); the reference is
+then the dense float32 one with that feature, and ``jax.nn``'s rows are left out where it has
+no such feature.
 """
 
 from __future__ import annotations
@@ -33,17 +39,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from attention import check_then_time, fwd_bwd, rel_err, save_rows
+from attention import check_then_time, rel_err, save_rows
+from features_gpu import DTYPES, feature_spec, jitted
 
 import ejkfn
 from ejkfn import FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention._reference import reference_attention
 
 SHAPES = (
     "1x1x32768x32x8x128,8x1x8192x32x8x128,64x1x4096x32x8x128,"
     "1x1x131072x32x8x128,4x16x16384x32x8x128,16x1x8192x32x32x128,8x1x8192x16x16x64"
 )
 MAX_ERROR = 2e-2
+# Features a decoding call can carry here: each needs at most a [1, H, Sq, Sk] bias or a seed.
+FEATURES = ("none", "bias", "dropout", "soft_cap")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +65,8 @@ class DecodeCase:
     kv_heads: int
     dim: int
     causal: bool = False
+    dtype: str = "bfloat16"
+    feature: str = "none"
 
     @classmethod
     def parse(cls, text: str) -> DecodeCase:
@@ -69,7 +81,15 @@ class DecodeCase:
     def name(self) -> str:
         gqa = f"({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
         causal = " causal" if self.causal else ""
-        return f"{self.batch}x{self.seq_q}:{self.seq_k}x{self.heads}{gqa}x{self.dim}{causal}"
+        dtype = "" if self.dtype == "bfloat16" else f" {self.dtype}"
+        feature = "" if self.feature == "none" else f" {self.feature}"
+        shape = f"{self.batch}x{self.seq_q}:{self.seq_k}x{self.heads}{gqa}x{self.dim}"
+        return f"{shape}{causal}{dtype}{feature}"
+
+    @property
+    def spec(self) -> AttentionSpec:
+        base = AttentionSpec(scale=self.dim**-0.5, causal=self.causal)
+        return feature_spec(base, self.feature, self.seq_k)
 
     def flops(self, backward: bool) -> float:
         """4 x B x H x (visible pairs) x D forward, 3.5 times that forward and backward."""
@@ -85,21 +105,32 @@ class DecodeCase:
         rows = jnp.arange(self.seq_q)[:, None] + (self.seq_k - self.seq_q)
         return (jnp.arange(self.seq_k)[None, :] <= rows)[None, None]
 
-    def bytes(self, itemsize: int = 2) -> float:
-        """q and out once each, k and v once each: the least any kernel reads and writes."""
+    def bytes(self) -> float:
+        """q and out once each, k and v once each: the least any kernel reads and writes (a
+        bias's bytes not counted)."""
         rows = self.batch * (2 * self.seq_q * self.heads + 2 * self.seq_k * self.kv_heads)
-        return float(rows * self.dim * itemsize)
+        return float(rows * self.dim * jnp.dtype(self.dtype).itemsize)
 
     def inputs(self, seed: int, backward: bool = False) -> tuple[jax.Array, ...]:
-        """q, k, v (and with ``backward`` the output's cotangent), bf16."""
+        """q, k, v (and with ``backward`` the output's cotangent) in ``dtype``."""
         kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
         q_shape = (self.batch, self.seq_q, self.heads, self.dim)
         kv_shape = (self.batch, self.seq_k, self.kv_heads, self.dim)
         out = tuple(
-            jax.random.normal(key, shape, jnp.bfloat16)
+            jax.random.normal(key, shape, self.dtype)
             for key, shape in ((kq, q_shape), (kk, kv_shape), (kv, kv_shape))
         )
-        return (*out, jax.random.normal(kd, q_shape, jnp.bfloat16)) if backward else out
+        return (*out, jax.random.normal(kd, q_shape, self.dtype)) if backward else out
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The arrays the feature adds to a call, as ``flash_attention``'s keyword arguments: a
+        bias different for each head, or dropout's seed."""
+        if self.feature == "bias":
+            shape = (1, self.heads, self.seq_q, self.seq_k)
+            return dict(bias=jax.random.normal(jax.random.key(5), shape, self.dtype))
+        if self.feature == "dropout":
+            return dict(dropout_seed=jnp.uint32(5))
+        return {}
 
 
 def sweep_params(base: FwdParams, text: str) -> FwdParams:
@@ -126,17 +157,24 @@ def sweep_params(base: FwdParams, text: str) -> FwdParams:
 def impls(
     case: DecodeCase, sweep: tuple[str, ...] = (), skip: frozenset[str] = frozenset()
 ) -> dict[str, Callable[..., jax.Array]]:
-    """name -> ``(q, k, v) -> out`` jitted: every native ejkfn backend on its heuristic config (the
-    Triton forward also with each of ``sweep``'s changes, :func:`sweep_params`), ``auto``, and
-    ``jax.nn.dot_product_attention``'s cuDNN and XLA paths (GQA by its own broadcast); none whose
-    name ends with one in ``skip``."""
+    """name -> ``(q, k, v, **case.arrays()) -> out``: every native ejkfn backend that takes the
+    case's feature on its heuristic config (the Triton forward also with each of ``sweep``'s
+    changes, :func:`sweep_params`), ``auto``, and ``jax.nn.dot_product_attention``'s cuDNN and XLA
+    paths (GQA by its own broadcast) where it has the feature; none whose name ends with one in
+    ``skip``."""
     q, k, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
-    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
+    spec = case.spec
     shape = AttentionShape.of(q, k, spec)
+    options = dict(
+        softmax_scale=spec.scale, causal=spec.causal, dropout_prob=spec.dropout_prob,
+        logits_soft_cap=spec.soft_cap,
+    )  # fmt: skip
     kind = ejkfn.device_kind()
     out: dict[str, Callable[..., jax.Array]] = {}
     for backend in registered_backends():
         if kind not in backend.devices or not backend.available():
+            continue
+        if spec.features & backend.unsupported:
             continue
         try:
             fp, bp = backend.heuristic(shape)
@@ -150,26 +188,29 @@ def impls(
             cfg = AttentionConfig(
                 platform=backend.platform, variant=backend.variant, fwd=params, bwd=bp
             )
-            out[label] = jax.jit(
-                lambda q, k, v, cfg=cfg: ejkfn.flash_attention(q, k, v, causal=case.causal, cfg=cfg)
+            out[label] = lambda q, k, v, cfg=cfg, **arrays: ejkfn.flash_attention(
+                q, k, v, **arrays, **options, cfg=cfg
             )
-    out["ejkfn auto"] = jax.jit(lambda q, k, v: ejkfn.flash_attention(q, k, v, causal=case.causal))
+    out["ejkfn auto"] = lambda q, k, v, **arrays: ejkfn.flash_attention(
+        q, k, v, **arrays, **options
+    )
     mask = case.mask()
-    for implementation in ("cudnn", "xla"):
-        out[f"jax.nn {implementation}"] = jax.jit(
-            lambda q, k, v, implementation=implementation: jax.nn.dot_product_attention(
-                q, k, v, mask=mask, implementation=implementation
+    for implementation in ("cudnn", "xla") if case.feature in ("none", "bias") else ():
+        out[f"jax.nn {implementation}"] = lambda q, k, v, implementation=implementation, **arrays: (
+            jax.nn.dot_product_attention(
+                q, k, v, **arrays, mask=mask, implementation=implementation
             )
         )
     return {n: fn for n, fn in out.items() if not any(n.endswith(x) for x in skip)}
 
 
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
-    group = q.shape[2] // k.shape[2]
-    k, v = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
-    return jax.nn.dot_product_attention(
-        q.astype(jnp.float32), k, v, mask=mask, implementation="xla"
-    )
+def reference(case: DecodeCase) -> Callable[..., jax.Array]:
+    """``(q, k, v, **case.arrays()) -> out``: the dense float32 attention of ``case``'s call."""
+
+    def run(q, k, v, bias=None, dropout_seed=None):
+        return reference_attention(q, k, v, bias, seed=dropout_seed, spec=case.spec)[0]
+
+    return run
 
 
 REFERENCE = "float32 reference"
@@ -187,16 +228,15 @@ def measure(
     the three gradients (cross-attention trains on such shapes), each checked against the float32
     reference's."""
     sets = [case.inputs(seed, backward) for seed in (0, 1)]
-    mask = case.mask()
-    fns = impls(case, sweep, skip)
+    arrays = case.arrays()  # arguments of each program, not constants (features_gpu.jitted)
+    fns = {n: jitted(fn, arrays, backward) for n, fn in impls(case, sweep, skip).items()}
     if backward:
         # The reference is the baseline: each gradient is compared with its own (it runs first,
         # outside check_then_time's guard, and never raises); its row is dropped below.
-        fns = {n: jax.jit(fwd_bwd(fn)) for n, fn in fns.items()}
-        fns = {REFERENCE: jax.jit(fwd_bwd(lambda q, k, v: reference(q, k, v, mask))), **fns}
+        fns = {REFERENCE: jitted(reference(case), arrays, backward), **fns}
         first, error = REFERENCE, rel_err
     else:
-        want = jax.jit(reference)(*sets[0], mask)
+        want = jitted(reference(case), arrays, backward)(*sets[0])
         # check_then_time runs this one first, outside its guard: auto, which takes any call.
         # Each output is compared with the reference, not with this one's.
         first = "ejkfn auto" if "ejkfn auto" in fns else next(iter(fns))
@@ -240,9 +280,14 @@ def main() -> int:
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (cross-attention)"
     )
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--feature", choices=FEATURES, default="none")
     args = parser.parse_args()
     try:
-        cases = [DecodeCase.parse(s) for s in args.shapes.split(",")]
+        cases = [
+            dataclasses.replace(DecodeCase.parse(s), dtype=args.dtype, feature=args.feature)
+            for s in args.shapes.split(",")
+        ]
     except ValueError as exc:
         parser.error(f"--shapes: {exc}")
     sweep = tuple(filter(None, args.sweep.split(",")))

@@ -836,8 +836,23 @@ def test_decode_benchmark_checks_times_and_saves(tmp_path):
     rows = _saved(tmp_path / "bwd", "decode_*.json")["rows"]
     assert {r["impl"] for r in rows} == {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
     assert all(r["pass_"] == "fwd+bwd" and r["error"] < 2e-2 for r in rows), rows
+    # a feature and a dtype: checked against the dense reference with that feature
+    _run("decode_gpu.py", "--shapes", "2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn,xla/chunked", "--dtype", "float32", "--feature", "bias", "--out", str(tmp_path / "bias"))  # fmt: skip
+    rows = _saved(tmp_path / "bias", "decode_*.json")["rows"]
+    assert {r["impl"] for r in rows} == {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
+    assert all(r["case"] == "2x3:256x4(2 kv)x32 causal float32 bias" for r in rows), rows
+    assert all(r["error"] < 1e-5 for r in rows), rows  # float32 throughout
+    _run("decode_gpu.py", "--shapes", "2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn,xla/chunked", "--feature", "dropout", "--backward", "--out", str(tmp_path / "dropout"))  # fmt: skip
+    rows = _saved(tmp_path / "dropout", "decode_*.json")["rows"]
+    assert {r["impl"] for r in rows} == {"ejkfn xla/dense", "ejkfn auto"}  # jax.nn: no dropout
+    assert all(r["error"] < 2e-2 for r in rows), rows
     _run("decode_gpu.py", "--shapes", "2x1x256x4", returncode=2)
+    _run("decode_gpu.py", "--feature", "window", returncode=2)
     (decode_gpu,) = _benchmark_modules("decode_gpu")
+    # the bias travels as an argument of each program, one per head
+    case = decode_gpu.DecodeCase.parse("2x3x256x4x2x32c")
+    biased = decode_gpu.dataclasses.replace(case, feature="bias")
+    assert biased.arrays()["bias"].shape == (1, 4, 3, 256)
     from ejkfn import FwdParams
 
     base = FwdParams(q_blocksize=16, kv_blocksize=128, kv_splits=8)
