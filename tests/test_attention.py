@@ -821,10 +821,10 @@ def test_auto_orders_float32_inputs_on_gpus(
     platform: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Float32 products spill Pallas-Triton's 16-bit blocks: ``auto`` takes Triton first for
-    float32 inputs on any GPU, and Pallas-Triton (on its own float32 blocks) where that ran faster:
-    at head dim 64 without a mask or a feature, at 128 with a mask tensor. Triton's backward takes
-    blocks that do not spill."""
+    """Of our kernels (XLA, first for float32, not native here), float32 products spill
+    Pallas-Triton's 16-bit blocks: ``auto`` takes Triton next for float32 inputs on any GPU, and
+    Pallas-Triton (on its own float32 blocks) where that ran faster: at head dim 64 without a mask
+    or a feature, at 128 with a mask tensor. Triton's backward takes blocks that do not spill."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
@@ -850,6 +850,37 @@ def test_auto_orders_float32_inputs_on_gpus(
     # above head dim 128, 16 rows (32 spill there)
     wide = dataclasses.replace(f32, head_dim=256)
     assert [(p.q_blocksize, p.kv_blocksize) for p in _triton.heuristic(wide)] == [(16, 32)] * 2
+
+
+@pytest.mark.parametrize(
+    ("q_len", "k_len", "dtype", "platform", "variant"),
+    [
+        (4096, 4096, jnp.float32, "xla", "chunked"),  # the scores would be large
+        (1024, 1024, jnp.float32, "xla", "dense"),
+        (1, 32768, jnp.float32, "xla", "dense"),  # decoding, and training there
+        (1, 32768, jnp.bfloat16, "triton", "triton"),  # 16-bit decoding keeps its order
+    ],
+)
+def test_auto_takes_xla_first_for_float32_on_gpus(
+    q_len: int, k_len: int, dtype: Any, platform: str, variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """XLA's full-precision attention ran ahead of our FMA kernels with float32 inputs (2.3-7.8x
+    forward+backward on an H200): ``auto`` trains and infers there, dense or chunked by the size of
+    the scores, for decoding calls too."""
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("xla", "pallas", "triton"))
+    refusal = _api._refusal
+    monkeypatch.setattr(  # compiled Triton cannot trace off a CUDA GPU
+        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
+    )
+    kernel = FlashAttention()
+    q = jax.ShapeDtypeStruct((4, q_len, 16, 128), dtype)
+    kv = jax.ShapeDtypeStruct((4, k_len, 8, 128), dtype)
+    cfg = kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, q, kv, kv, causal=True))
+    assert (cfg.platform, cfg.variant, cfg.inference) == (platform, variant, None)
 
 
 def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(

@@ -624,7 +624,9 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     assert forward(1, 128, 32768, 32, 8, causal=True) == (128, 128, 4)  # 512 rows: per head
     assert forward(2, 65, 8192, 32, 8) == (128, 128, 2)  # 65 rows in a 128-row block
     assert forward(64, 1, 4096, 32, 8) == (16, 128, 1)  # 512 folded heads fill it already
-    assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 32, 32)
+    # float32 in one 16-row block up to head dim 128: 64-key blocks (four a run: 16 runs)
+    assert forward(1, 1, 4096, 32, 8, dtype="float32") == (16, 64, 16)
+    assert forward(1, 1, 4096, 32, 8, dtype="float32", head_dim=256) == (16, 32, 32)
     assert forward(1, 32, 4096, 32, 8, dtype="float32") == (32, 32, 8)  # 64-row blocks at most
     # float32 at head dim 256: 16-row blocks at most (64 spill 28 KB a thread), so a group of 4
     # folds and one of 8 (32 rows) does not
@@ -645,6 +647,11 @@ def test_decoding_heuristic_splits_keys_until_the_gpu_is_full():
     # float32 decoding takes the training forward's warps: 8 (4 at head dim 128 causal, and at 256)
     assert [float32_warps(d) for d in (64, 128, 256)] == [8, 8, 4]
     assert [float32_warps(d, causal=True) for d in (64, 128, 256)] == [8, 4, 4]
+    one_block = AttentionShape(
+        batch=1, seq_q=1, seq_k=4096, heads=8, kv_heads=8, head_dim=64, dtype="float32",
+        spec=AttentionSpec(scale=0.1),
+    )  # fmt: skip
+    assert tri.heuristic(one_block)[0].num_warps == 4  # one 16-row block: 4 warps
     assert forward(1, 128, 512, 4, 4)[2] == 1  # fewer than 8 keys a row
     # more rows than a block, in at most 64 tiles of 128 rows: 128 programs
     assert forward(1, 256, 32768, 32, 8, causal=True) == (128, 128, 2)

@@ -28,23 +28,30 @@ __all__ = ["AttentionConfig", "FlashAttention", "flash_attention", "registered_b
 # Platforms that ``platform="auto"`` tries on each device kind, best first. A platform registered
 # later that is native to the device is tried after these. On GPUs the order follows the H200
 # measurements in benchmarks/results (bf16, forward+backward): cuDNN led at every shape, then Pallas
-# (Mosaic on Hopper), then Triton; calls cuDNN refuses (soft cap, dropout, segments, float32, ...)
-# fall through to our kernels, and the tuner measures them all when asked. On Hopper a call with a
-# soft cap, segment ids, a mask, a bias or (causal) dropout takes the portable kernel measured
-# fastest with it (``_feature_backends``).
+# (Mosaic on Hopper), then Triton; calls cuDNN refuses (soft cap, dropout, segments, ...) fall
+# through to our kernels (float32 ones to XLA first, below), and the tuner measures them all when
+# asked. On Hopper a call with a soft cap, segment ids, a mask, a bias or (causal) dropout takes
+# the portable kernel measured fastest with it (``_feature_backends``).
 _AUTO_ORDER = {
     "gpu": ("cudnn", "pallas", "triton", "xla"),
     "tpu": ("pallas", "xla"),
     "cpu": ("xla",),
 }
-# With float32 inputs the products run as FMAs on the CUDA cores and Pallas-Triton's blocks spill:
-# at 8x2048x32x64 causal on an H200 it ran forward 0.048x and forward+backward 0.23x Triton
-# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes first there. On both
-# kernels' float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x
-# its forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
-_AUTO_ORDER_FLOAT32 = {"gpu": ("triton", "pallas", "xla")}
-# Pallas-Triton first where it ran faster on the float32 blocks of both (:func:`_float32_pallas_first`).
-_AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("pallas", "triton", "xla")}
+# With float32 inputs our kernels' products run as FMAs on the CUDA cores, and XLA's attention
+# (full precision too, ``_xla._exact_f32``) ran ahead of them on an H200. Forward+backward on the
+# variant auto takes: 2.69x Triton at 4x4096x16x128 causal (chunked), 1.56x at 8x2048x32x64 causal
+# and 2.12x Pallas-Triton without a mask (chunked; dense 3.0x), 7.8x Triton decoding
+# 8x1:8192x32(8 kv)x128 (dense). Forward: 1.36x, 1.01x at 1x16384x16x128 causal, 1.5-3.8x
+# decoding; 0.74x only at 8x2048x32x64 causal (results/decode_NVIDIA_H200_20261129-224926.json to
+# -231101.json). So XLA goes first, for decoding calls too. Of our kernels, Pallas-Triton's
+# blocks spill: at 8x2048x32x64 causal it ran forward 0.048x and forward+backward 0.23x Triton
+# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes next; on both kernels'
+# float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x its
+# forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
+_AUTO_ORDER_FLOAT32 = {"gpu": ("xla", "triton", "pallas")}
+# Pallas-Triton before Triton where it ran faster on the float32 blocks of both
+# (:func:`_float32_pallas_first`).
+_AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("xla", "pallas", "triton")}
 # Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
 # the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.96-2.5x
 # cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-1.01x
@@ -773,7 +780,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
             pallas = _float32_pallas_first(shape)
             table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
-        if decoding and _backend.decoding_rows(shape) is not None:
+        elif decoding and _backend.decoding_rows(shape) is not None:  # float32 decodes on XLA too
             order = list(_AUTO_ORDER_DECODING.get(kind, order))
         order += [p for p in _backend.platforms() if p not in order]
         chosen: list[AttentionBackend] = []

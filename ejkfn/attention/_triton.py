@@ -550,6 +550,12 @@ DECODE_WIDE_HEAD_KEYS = 64
 # without a mask 4 warps spill 280-2360 bytes (16-64 rows) and 8 nothing. Not yet timed
 # (benchmarks/NOTES.md, fifty-eighth round).
 DECODE_FLOAT32_WIDE_HEAD_ROWS = 16
+# A float32 decoding forward whose rows fit one 16-row block at head dims up to 128 walks 64-key
+# blocks on 4 warps: 1.52-1.85x the 32-key blocks on the training forward's 8 warps at
+# 1x1:32768x32(8 kv)x128, 8x1:8192x32(8 kv)x128 and 8x1:8192x16x64, where 32 keys on 4 warps ran
+# 1.05-1.10x 8 warps (results/decode_NVIDIA_H200_20261129-224926.json, -230141.json). On more rows
+# 8 warps ran 1.08-1.73x 4 (-224342.json). No spills with a bias or dropout (triton_sass.py).
+DECODE_FLOAT32_FEW_ROWS_KEYS = 64
 
 
 def _decoding_params(shape: AttentionShape) -> FwdParams | None:
@@ -574,8 +580,11 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     q_block = max(_MIN_BLOCK, _next_pow2(min(rows, most)))
     folded = rows > shape.seq_q
     heads = shape.kv_heads if folded else shape.heads
-    # float32: the training forward's warps (_float32_blocks), measured there
-    warps = _float32_blocks(shape)[0].num_warps if float32 else 4 if q_block <= 64 else 8
+    warps = 4 if q_block <= 64 else 8
+    if float32 and d <= 128 and q_block == _MIN_BLOCK:
+        kv_block = DECODE_FLOAT32_FEW_ROWS_KEYS
+    elif float32:  # the training forward's warps (_float32_blocks), measured there
+        warps = _float32_blocks(shape)[0].num_warps
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
