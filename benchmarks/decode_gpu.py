@@ -205,10 +205,12 @@ def impls(
 
 
 def reference(case: DecodeCase) -> Callable[..., jax.Array]:
-    """``(q, k, v, **case.arrays()) -> out``: the dense float32 attention of ``case``'s call."""
+    """``(q, k, v, **case.arrays()) -> out``: the dense float32 attention of ``case``'s call, its
+    products in full precision (by default a GPU multiplies float32 in TF32: 4e-4 off)."""
 
     def run(q, k, v, bias=None, dropout_seed=None):
-        return reference_attention(q, k, v, bias, seed=dropout_seed, spec=case.spec)[0]
+        with jax.default_matmul_precision("highest"):
+            return reference_attention(q, k, v, bias, seed=dropout_seed, spec=case.spec)[0]
 
     return run
 

@@ -554,7 +554,9 @@ DECODE_FLOAT32_WIDE_HEAD_ROWS = 16
 # blocks on 4 warps: 1.52-1.85x the 32-key blocks on the training forward's 8 warps at
 # 1x1:32768x32(8 kv)x128, 8x1:8192x32(8 kv)x128 and 8x1:8192x16x64, where 32 keys on 4 warps ran
 # 1.05-1.10x 8 warps (results/decode_NVIDIA_H200_20261129-224926.json, -230141.json). On more rows
-# 8 warps ran 1.08-1.73x 4 (-224342.json). No spills with a bias or dropout (triton_sass.py).
+# 8 warps ran 1.08-1.73x 4 (-224342.json). Compiled for sm_90a (triton_sass.py) it spills 420
+# bytes a thread at head dim 128 without a mask (the timed calls), nothing causal or with a bias
+# or dropout.
 DECODE_FLOAT32_FEW_ROWS_KEYS = 64
 
 
