@@ -547,8 +547,10 @@ DECODE_WIDE_HEAD_KEYS = 64
 # blocks, two stages, the training forward's warps). Compiled for sm_90a (triton_sass.py): at head
 # dim 256, 64 rows spill 28 KB a thread on 4 warps (3.3 KB on 8), where a 13 KB spill had run 12x
 # slower (_float32_blocks), and 16 rows, the training blocks there, nothing. At head dim 128
-# without a mask 4 warps spill 280-2360 bytes (16-64 rows) and 8 nothing. Not yet timed
-# (benchmarks/NOTES.md, fifty-eighth round).
+# without a mask 4 warps spill 280-2360 bytes (16-64 rows) and 8 nothing. Timed against the old
+# blocks (4 warps, up to 64 rows): at head dim 256, 1.47x and 1.57x at 4x16:8192x16(8 kv)x256
+# causal and not, 11.2x at 2x64 causal; 8 warps on 64 rows, 1.70x and 1.73x at head dim 128
+# (results/decode_NVIDIA_H200_20261129-224342.json to -224630.json).
 DECODE_FLOAT32_WIDE_HEAD_ROWS = 16
 # A float32 decoding forward whose rows fit one 16-row block at head dims up to 128 walks 64-key
 # blocks on 4 warps: 1.52-1.85x the 32-key blocks on the training forward's 8 warps at
