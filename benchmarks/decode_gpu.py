@@ -40,7 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from attention import check_then_time, rel_err, save_rows
-from features_gpu import DTYPES, feature_spec, jitted
+from features_gpu import DTYPES, feature_spec, jitted, static_options
 
 import ejkfn
 from ejkfn import FwdParams
@@ -165,10 +165,7 @@ def impls(
     q, k, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
     spec = case.spec
     shape = AttentionShape.of(q, k, spec)
-    options = dict(
-        softmax_scale=spec.scale, causal=spec.causal, dropout_prob=spec.dropout_prob,
-        logits_soft_cap=spec.soft_cap,
-    )  # fmt: skip
+    options = static_options(spec)
     kind = ejkfn.device_kind()
     out: dict[str, Callable[..., jax.Array]] = {}
     for backend in registered_backends():

@@ -99,11 +99,6 @@ def _seconds_per_call(fn: Callable[[], Any], calls: int, bound: float | None) ->
     return seconds
 
 
-def _settle(fn: Callable[[], Any], calls: int) -> None:
-    """``calls`` untimed calls back to back (:func:`_back_to_back`)."""
-    _back_to_back(fn, calls)
-
-
 # A GPU's clock follows the power drawn with a lag of about 0.1 s: on an H200 a kernel read 10-13%
 # fast 20 ms after an idle GPU, 5-11% after a lighter kernel, and within the noise after 0.1-0.4 s
 # (benchmarks/NOTES.md, twenty-fourth round). A Tuner on a GPU settles each candidate this long
@@ -190,7 +185,7 @@ def interleaved_seconds[K](
         order.shuffle(running)
         for key in list(running):
             try:
-                _settle(fns[key], settle_calls[key])
+                _back_to_back(fns[key], settle_calls[key])  # untimed
                 batch = max(share, least_calls[key])
                 readings[key].append(_seconds_per_call(fns[key], batch, bound))
             except Exception as exc:

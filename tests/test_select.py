@@ -789,7 +789,7 @@ def test_calls_back_to_back_keep_a_bounded_number_unfinished(monkeypatch):
     assert most[0] == _tune.MAX_IN_FLIGHT and all(c.done for c in calls)
     calls.clear()
     most[0] = 0
-    _tune._settle(dispatch, 40)
+    _tune._back_to_back(dispatch, 40)  # the settling calls
     assert most[0] == _tune.MAX_IN_FLIGHT and all(c.done for c in calls) and len(calls) == 40
 
 

@@ -577,7 +577,7 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     d = _block_d(shape.head_dim)
     float32 = shape.dtype == "float32"  # products as FMAs, their operands in registers
     if float32:
-        most, kv_block, stages = (64 if d <= 128 else DECODE_FLOAT32_WIDE_HEAD_ROWS), 32, 2
+        most, stages = (64 if d <= 128 else DECODE_FLOAT32_WIDE_HEAD_ROWS), 2
     else:
         most, kv_block, stages = (128, 128, 3) if d <= 128 else (64, DECODE_WIDE_HEAD_KEYS, 3)
     rows = folded_rows(shape, most)
@@ -585,10 +585,11 @@ def _decoding_params(shape: AttentionShape) -> FwdParams | None:
     folded = rows > shape.seq_q
     heads = shape.kv_heads if folded else shape.heads
     warps = 4 if q_block <= 64 else 8
-    if float32 and d <= 128 and q_block == _MIN_BLOCK:
-        kv_block = DECODE_FLOAT32_FEW_ROWS_KEYS
-    elif float32:  # the training forward's warps (_float32_blocks), measured there
-        warps = _float32_blocks(shape)[0].num_warps
+    if float32:
+        few = d <= 128 and q_block == _MIN_BLOCK
+        kv_block = DECODE_FLOAT32_FEW_ROWS_KEYS if few else 32
+        if not few:  # the training forward's warps (_float32_blocks), measured there
+            warps = _float32_blocks(shape)[0].num_warps
     return FwdParams(
         q_blocksize=q_block,
         kv_blocksize=kv_block,
