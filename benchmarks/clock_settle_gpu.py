@@ -27,15 +27,15 @@ from typing import Any
 import attention
 import jax
 
-from ejkfn._tune import _calls_lasting, _seconds_per_call, _settle
+from ejkfn._tune import _back_to_back, _calls_lasting, _seconds_per_call
 
 IDLE = "(idle)"
 
 
 def run_for(fn: Callable[[], Any], seconds: float, per_call: float) -> None:
-    """Untimed calls of ``fn`` back to back for about ``seconds`` (none for 0), waited on once."""
+    """Untimed calls of ``fn`` back to back for about ``seconds`` (none for 0), as the tuner settles."""
     if seconds > 0:
-        _settle(fn, _calls_lasting(seconds, per_call))
+        _back_to_back(fn, _calls_lasting(seconds, per_call))  # untimed
 
 
 def main() -> int:
