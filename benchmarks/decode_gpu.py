@@ -13,7 +13,7 @@ merit is its rate in GB/s of q, k, v and the output against the copy ceiling
 3. prints us, GB/s, TFLOP/s and the ratio to the fastest, and saves the rows under ``--out``.
 
     python3 benchmarks/decode_gpu.py [--shapes 1x1x32768x32x8x128,...] [--out DIR]
-        [--sweep 64x4x3xm2,...] [--skip xla/chunked,...] [--backward]
+        [--sweep 64x4x3xm2,...] [--chunks 256x1024,...] [--skip xla/chunked,...] [--backward]
         [--dtype float32] [--feature bias|dropout|soft_cap]
 
 A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``, with a ``c`` after it for causal calls
@@ -43,7 +43,7 @@ from attention import check_then_time, rel_err, save_rows
 from features_gpu import DTYPES, feature_spec, jitted, static_options
 
 import ejkfn
-from ejkfn import FwdParams
+from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
 from ejkfn.attention._reference import reference_attention
 
@@ -154,12 +154,28 @@ def sweep_params(base: FwdParams, text: str) -> FwdParams:
         raise ValueError(f"sweep item {text!r} is not [Qx]BKxWxSxN (N a count or mF)") from None
 
 
+def chunk_params(text: str) -> tuple[FwdParams, BwdParams]:
+    """``"QxK"``: XLA's chunked variant on ``Q``-query by ``K``-key tiles, forward and backward."""
+    try:
+        bq, bk = (int(f) for f in text.split("x"))
+    except ValueError:
+        raise ValueError(f"chunks item {text!r} is not QxK") from None
+    return (
+        FwdParams(q_blocksize=bq, kv_blocksize=bk),
+        BwdParams(q_blocksize=bq, kv_blocksize=bk),
+    )
+
+
 def impls(
-    case: DecodeCase, sweep: tuple[str, ...] = (), skip: frozenset[str] = frozenset()
+    case: DecodeCase,
+    sweep: tuple[str, ...] = (),
+    skip: frozenset[str] = frozenset(),
+    chunks: tuple[str, ...] = (),
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v, **case.arrays()) -> out``: every native ejkfn backend that takes the
     case's feature on its heuristic config (the Triton forward also with each of ``sweep``'s
-    changes, :func:`sweep_params`), ``auto``, and ``jax.nn.dot_product_attention``'s cuDNN and XLA
+    changes, :func:`sweep_params`; XLA's chunked variant also on each of ``chunks``' tiles,
+    :func:`chunk_params`), ``auto``, and ``jax.nn.dot_product_attention``'s cuDNN and XLA
     paths (GQA by its own broadcast) where it has the feature; none whose name ends with one in
     ``skip``."""
     q, k, _ = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.inputs(0))
@@ -178,12 +194,14 @@ def impls(
         except NotImplementedError:
             continue
         name = f"ejkfn {backend.platform}/{backend.variant}"
-        cfgs = {name: fp}
+        cfgs = {name: (fp, bp)}
         if backend.splits_keys:
-            cfgs |= {f"{name} {item}": sweep_params(fp, item) for item in sweep}
-        for label, params in cfgs.items():
+            cfgs |= {f"{name} {item}": (sweep_params(fp, item), bp) for item in sweep}
+        if name == "ejkfn xla/chunked":
+            cfgs |= {f"{name} {item}": chunk_params(item) for item in chunks}
+        for label, (fwd, bwd) in cfgs.items():
             cfg = AttentionConfig(
-                platform=backend.platform, variant=backend.variant, fwd=params, bwd=bp
+                platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd
             )
             out[label] = lambda q, k, v, cfg=cfg, **arrays: ejkfn.flash_attention(
                 q, k, v, **arrays, **options, cfg=cfg
@@ -222,13 +240,14 @@ def measure(
     sweep: tuple[str, ...] = (),
     skip: frozenset[str] = frozenset(),
     backward: bool = False,
+    chunks: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Rows of every implementation at ``case``: forward, or with ``backward`` the output and
     the three gradients (cross-attention trains on such shapes), each checked against the float32
     reference's."""
     sets = [case.inputs(seed, backward) for seed in (0, 1)]
     arrays = case.arrays()  # arguments of each program, not constants (features_gpu.jitted)
-    fns = {n: jitted(fn, arrays, backward) for n, fn in impls(case, sweep, skip).items()}
+    fns = {n: jitted(fn, arrays, backward) for n, fn in impls(case, sweep, skip, chunks).items()}
     if backward:
         # The reference is the baseline: each gradient is compared with its own (it runs first,
         # outside check_then_time's guard, and never raises); its row is dropped below.
@@ -275,6 +294,9 @@ def main() -> int:
         default="",
         help="Triton forwards to add, comma-separated [Qx]BKxWxSxN (N: splits)",
     )
+    parser.add_argument(
+        "--chunks", default="", help="XLA chunked tiles to add, comma-separated QxK"
+    )
     parser.add_argument("--skip", default="", help="rows to leave out, comma-separated names")
     parser.add_argument(
         "--backward", action="store_true", help="time forward and backward (cross-attention)"
@@ -295,6 +317,12 @@ def main() -> int:
             sweep_params(FwdParams(), item)
         except ValueError as exc:
             parser.error(f"--sweep: {exc}")
+    chunks = tuple(filter(None, args.chunks.split(",")))
+    for item in chunks:
+        try:
+            chunk_params(item)
+        except ValueError as exc:
+            parser.error(f"--chunks: {exc}")
     skip = frozenset(filter(None, args.skip.split(",")))
     rows: list[dict[str, Any]] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -302,7 +330,7 @@ def main() -> int:
         "| case | impl | us | GB/s | TFLOP/s | vs fastest | error |\n|---|---|---|---|---|---|---|"
     )
     for case in cases:
-        done = measure(case, args.calls, args.rounds, sweep, skip, args.backward)
+        done = measure(case, args.calls, args.rounds, sweep, skip, args.backward, chunks)
         print("\n".join(line(r) for r in done), flush=True)
         rows += done
         if args.out:

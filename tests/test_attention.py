@@ -883,6 +883,51 @@ def test_auto_takes_xla_first_for_float32_on_gpus(
     assert (cfg.platform, cfg.variant, cfg.inference) == (platform, variant, None)
 
 
+def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """There Triton's forward ran 1.2-1.7x XLA's on an H200 while XLA trained faster: ``auto``
+    trains on XLA and infers on Triton. Not at head dim 128, without the causal mask, with another
+    feature, or decoding (XLA read faster or it was not measured)."""
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("xla", "pallas", "triton"))
+    refusal = _api._refusal
+    monkeypatch.setattr(  # compiled Triton cannot trace off a CUDA GPU
+        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
+    )
+    kernel = FlashAttention()
+
+    def cfg_of(seq_q: int = 2048, dim: int = 64, **options: Any) -> AttentionConfig:
+        q = jax.ShapeDtypeStruct((2, seq_q, 8, dim), jnp.float32)
+        kv = jax.ShapeDtypeStruct((2, 2048, 8, dim), jnp.float32)
+        return kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, q, kv, kv, **options))
+
+    cfg = cfg_of(causal=True)
+    assert (cfg.platform, cfg.inference.platform, cfg.inference.variant) == (
+        "xla", "triton", "triton"
+    )  # fmt: skip
+    assert (
+        cfg.inference.fwd
+        == _api.backend_for("triton", "triton").heuristic(
+            AttentionShape.of(
+                jax.ShapeDtypeStruct((2, 2048, 8, 64), jnp.float32),
+                jax.ShapeDtypeStruct((2, 2048, 8, 64), jnp.float32),
+                AttentionSpec(scale=0.125, causal=True),
+            )
+        )[0]
+    )
+    for other in (
+        cfg_of(dim=128, causal=True),
+        cfg_of(),
+        cfg_of(causal=True, logits_soft_cap=20.0),
+        cfg_of(seq_q=1, causal=True),
+    ):
+        assert (other.platform, other.inference) == ("xla", None), other
+
+
 def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -824,10 +824,12 @@ def test_features_benchmark_passes_a_features_arrays_as_arguments():
 def test_decode_benchmark_checks_times_and_saves(tmp_path):
     """decode_gpu.py on the CPU: the backends native there (XLA's) and ``auto``, checked against
     the reference (causal with the queries last, jax.nn's rows given that mask), timed and saved;
-    a bad shape or sweep item is refused naming it."""
-    out = _run("decode_gpu.py", "--shapes", "2x1x256x4x2x32,2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--out", str(tmp_path))  # fmt: skip
+    a bad shape, sweep or chunks item is refused naming it."""
+    out = _run("decode_gpu.py", "--shapes", "2x1x256x4x2x32,2x3x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--chunks", "16x64", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "decode_*.json")["rows"]
-    assert {r["impl"] for r in rows} >= {"ejkfn xla/dense", "ejkfn auto", "jax.nn xla"}
+    assert {r["impl"] for r in rows} >= {
+        "ejkfn xla/dense", "ejkfn xla/chunked 16x64", "ejkfn auto", "jax.nn xla"
+    }  # fmt: skip
     assert all(r["error"] < 2e-2 and r["gb_per_s"] > 0 for r in rows), rows
     assert "| 2x1:256x4(2 kv)x32 | ejkfn auto |" in out
     assert "| 2x3:256x4(2 kv)x32 causal | jax.nn xla |" in out
@@ -865,6 +867,12 @@ def test_decode_benchmark_checks_times_and_saves(tmp_path):
     assert decode_gpu.DecodeCase.parse("2x3x256x4x2x32c").flops(False) == 4 * 2 * 4 * 765 * 32
     with pytest.raises(ValueError, match="64x4"):
         decode_gpu.sweep_params(base, "64x4")
+    fwd, bwd = decode_gpu.chunk_params("256x1024")
+    assert (fwd.q_blocksize, fwd.kv_blocksize, bwd.q_blocksize, bwd.kv_blocksize) == (
+        256, 1024, 256, 1024
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="'256'"):
+        decode_gpu.chunk_params("256")
 
 
 def test_small_tiles_checks_the_fixed_kernels_beside_the_faulty_build(tmp_path):

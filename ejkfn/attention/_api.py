@@ -517,6 +517,33 @@ def _float32_pallas_first(shape: AttentionShape) -> bool:
     return shape.head_dim <= 128 and "attention_mask" in features
 
 
+def _float32_cfg(
+    training: AttentionBackend,
+    shape: AttentionShape,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+) -> AttentionConfig | None:
+    """``auto``'s heuristic config on Hopper for a float32 causal call at head dims up to 64 with
+    no other feature, which trains on XLA (first for float32): its forward on Triton. There,
+    on an H200, Triton's forward ran 1.19-1.49x XLA's dense one and 1.26-1.74x the chunked one
+    at 16x1024x16, 8x2048x32, 4x4096x16 and 2x8192x16 (results/decode_NVIDIA_H200_20261130-
+    004133.json, -004704.json), where XLA trained 1.56x faster (NOTES.md, fifty-ninth round).
+    None elsewhere."""
+    spec = shape.spec
+    plain_causal = spec.features == {"causal"}
+    if training.platform != "xla" or shape.dtype != "float32" or not _is_hopper():
+        return None
+    if not plain_causal or shape.head_dim > 64 or _backend.decoding_rows(shape) is not None:
+        return None
+    triton = backend_for(*_TRITON)
+    params = triton.heuristic(shape)
+    if not _native(triton) or _refusal(triton, shape, args, kwargs, params) is not None:
+        return None
+    return dataclasses.replace(
+        _config(training, training.heuristic(shape)), inference=_config(triton, params)
+    )
+
+
 def _feature_cfg(
     shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> AttentionConfig | None:
@@ -821,8 +848,10 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                     + "; ".join(reasons)
                 )
             backend = chosen[0]
-            preferred = _feature_cfg(shape, args, kwargs) or _hopper_cfg(
-                backend, shape, args, kwargs
+            preferred = (
+                _feature_cfg(shape, args, kwargs)
+                or _hopper_cfg(backend, shape, args, kwargs)
+                or _float32_cfg(backend, shape, args, kwargs)
             )
             cfg = preferred or _config(backend, backend.heuristic(shape))
             if not decodes or trains_decoding:

@@ -473,9 +473,10 @@ def _chunked_bwd(
 
 # --- heuristics ------------------------------------------------------------------------------------
 
-# Dense scores above this many elements per call go to the chunked variant (256 MiB in float32).
+# Dense scores above this many elements per call go to the chunked variant (256 MiB in float32);
+# the chunked forward's tile of scores for all batches and heads holds as many at most.
 _DENSE_LIMIT = 1 << 26
-# One tile of scores for all batches and heads stays under this many elements (64 MiB in float32).
+# The chunked backward's tile holds this many at most (64 MiB in float32).
 _TILE_LIMIT = 1 << 24
 
 
@@ -506,26 +507,50 @@ def _fit(block: int, seq: int) -> int:
     return seq if seq <= block else block
 
 
-def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    bk = _fit(512, shape.seq_k)
-    bq = _fit(256, shape.seq_q)
-    rows = shape.batch * shape.heads
-    while rows * bq * bk > _TILE_LIMIT and bq > 16:
+def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
+    """``bq`` then ``bk`` halved (to 16 at least) until ``rows`` tiles of them hold ``limit``
+    scores or fewer."""
+    while rows * bq * bk > limit and bq > 16:
         bq = max(16, _pow2_at_least(bq) // 2)
-    while rows * bq * bk > _TILE_LIMIT and bk > 16:
+    while rows * bq * bk > limit and bk > 16:
         bk = max(16, _pow2_at_least(bk) // 2)
+    return bq, bk
+
+
+def _chunked_fwd_blocks(shape: AttentionShape) -> tuple[int, int]:
+    """The forward's tile: as long along the keys as the masks allow, up to as many scores as
+    the dense variant may hold. In float32 on an H200 the 16384-key causal forward ran 2.0x
+    faster on 1024 x 2048 tiles than on 256 x 512, 2x4096x8x256 1.7x on 1024 x 4096, and
+    8x2048x32x64 1.4x on 128 x 2048 (whose scan rescales its output a quarter as often); causal
+    there, 256 x 512 led longer tiles, whose diagonal blocks compute more hidden scores
+    (results/decode_NVIDIA_H200_20261130-004704.json to -005035.json)."""
+    if shape.spec.causal or shape.spec.window is not None:
+        bk = min(2048, max(512, _pow2_at_least(shape.seq_k // 8)))
+        bq = bk // 2
+    else:
+        bq, bk = 1024, 4096
+    rows = shape.batch * shape.heads
+    return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), _DENSE_LIMIT)
+
+
+def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
+    # The backward holds several tiles a step (p, dp, ds): smaller ones, which also ran fastest
+    # at 8x2048x32x64 causal (-005159.json).
+    rows = shape.batch * shape.heads
+    bwd_q, bwd_k = _halve_to_fit(rows, _fit(256, shape.seq_q), _fit(512, shape.seq_k), _TILE_LIMIT)
+    fwd_q, fwd_k = _chunked_fwd_blocks(shape)
     return (
-        FwdParams(q_blocksize=bq, kv_blocksize=bk),
-        BwdParams(q_blocksize=bq, kv_blocksize=bk),
+        FwdParams(q_blocksize=fwd_q, kv_blocksize=fwd_k),
+        BwdParams(q_blocksize=bwd_q, kv_blocksize=bwd_k),
     )
 
 
 def _chunked_candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     out = [_chunked_heuristic(shape)]
-    for bq in (64, 128, 256, 512):
-        for bk in (128, 256, 512, 1024):
+    for bq in (128, 256, 512, 1024):
+        for bk in (512, 1024, 2048, 4096):
             q_b, k_b = _fit(bq, shape.seq_q), _fit(bk, shape.seq_k)
-            if shape.batch * shape.heads * q_b * k_b > 4 * _TILE_LIMIT:
+            if shape.batch * shape.heads * q_b * k_b > _DENSE_LIMIT:
                 continue
             pair = (
                 FwdParams(q_blocksize=q_b, kv_blocksize=k_b),
