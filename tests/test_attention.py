@@ -1392,3 +1392,31 @@ def test_auto_decodes_on_triton_on_gpus(
     assert xla.heuristic_cfg(ejkfn.Invocation.of(xla, q, k, k)).variant == (
         "dense" if platform == "triton" else "chunked"
     )
+
+
+@pytest.mark.parametrize(
+    ("shape", "causal", "fwd", "bwd"),
+    [
+        ((1, 16384, 16, 128), True, (1024, 2048), (1024, 2048)),  # an eighth of the keys
+        ((8, 2048, 32, 64), True, (256, 512), (256, 512)),  # at least 512 keys
+        ((2, 4096, 8, 256), False, (1024, 4096), (1024, 2048)),  # no mask: long keys
+        ((8, 2048, 32, 64), False, (128, 2048), (128, 2048)),  # queries halved to fit
+        ((2, 100, 4, 32), False, (100, 100), (100, 100)),  # one tile for a short sequence
+    ],
+)
+def test_chunked_tiles_are_long_along_the_keys_within_the_dense_limit(
+    shape: tuple[int, ...], causal: bool, fwd: tuple[int, int], bwd: tuple[int, int]
+) -> None:
+    """XLA's chunked tiles: as long along the keys as the masks allow (an eighth of the keys, by
+    half as many queries, under a causal mask), queries then keys halved until the tiles of all
+    batches and heads hold no more scores than the dense variant may (2^26)."""
+    from ejkfn.attention import _xla
+
+    batch, seq, heads, dim = shape
+    x = jax.ShapeDtypeStruct(shape, jnp.float32)
+    spec = AttentionSpec(scale=dim**-0.5, causal=causal)
+    fp, bp = _xla.CHUNKED.heuristic(AttentionShape.of(x, x, spec))
+    assert (fp.q_blocksize, fp.kv_blocksize) == fwd
+    assert (bp.q_blocksize, bp.kv_blocksize) == bwd
+    for q_block, kv_block in (fwd, bwd):
+        assert batch * heads * q_block * kv_block <= _xla._DENSE_LIMIT

@@ -474,10 +474,8 @@ def _chunked_bwd(
 # --- heuristics ------------------------------------------------------------------------------------
 
 # Dense scores above this many elements per call go to the chunked variant (256 MiB in float32);
-# the chunked forward's tile of scores for all batches and heads holds as many at most.
+# a chunked tile of scores for all batches and heads holds as many at most.
 _DENSE_LIMIT = 1 << 26
-# The chunked backward's tile holds this many at most (64 MiB in float32).
-_TILE_LIMIT = 1 << 24
 
 
 def preferred_variant(shape: AttentionShape) -> str:
@@ -517,28 +515,31 @@ def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
     return bq, bk
 
 
-def _chunked_fwd_blocks(shape: AttentionShape) -> tuple[int, int]:
-    """The forward's tile: as long along the keys as the masks allow, up to as many scores as
-    the dense variant may hold. In float32 on an H200 the 16384-key causal forward ran 2.0x
-    faster on 1024 x 2048 tiles than on 256 x 512, 2x4096x8x256 1.7x on 1024 x 4096, and
-    8x2048x32x64 1.4x on 128 x 2048 (whose scan rescales its output a quarter as often); causal
-    there, 256 x 512 led longer tiles, whose diagonal blocks compute more hidden scores
-    (results/decode_NVIDIA_H200_20261130-004704.json to -005035.json)."""
+def _chunked_blocks(
+    shape: AttentionShape, unmasked: tuple[int, int], limit: int
+) -> tuple[int, int]:
+    """A chunked tile ``(queries, keys)``: ``unmasked`` without a causal or window mask; with one
+    an eighth of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer
+    hidden scores; each halved until the tiles of all batches and heads hold ``limit`` scores."""
     if shape.spec.causal or shape.spec.window is not None:
         bk = min(2048, max(512, _pow2_at_least(shape.seq_k // 8)))
         bq = bk // 2
     else:
-        bq, bk = 1024, 4096
+        bq, bk = unmasked
     rows = shape.batch * shape.heads
-    return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), _DENSE_LIMIT)
+    return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), limit)
 
 
 def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    # The backward holds several tiles a step (p, dp, ds): smaller ones, which also ran fastest
-    # at 8x2048x32x64 causal (-005159.json).
-    rows = shape.batch * shape.heads
-    bwd_q, bwd_k = _halve_to_fit(rows, _fit(256, shape.seq_q), _fit(512, shape.seq_k), _TILE_LIMIT)
-    fwd_q, fwd_k = _chunked_fwd_blocks(shape)
+    """Tiles as long as the masks allow. In float32 on an H200 the forward ran 2.0x faster on
+    1024 x 2048 tiles than on 256 x 512 at 1x16384x16x128 causal, 1.7x on 1024 x 4096 at
+    2x4096x8x256 and 1.4x on 128 x 2048 at 8x2048x32x64, whose scan rescales its output a quarter
+    as often; causal at 8x2048x32x64, 256 x 512 led longer tiles (results/decode_NVIDIA_H200_
+    20261130-004704.json to -005035.json). Forward+backward on both tiles, 1024 x 2048 ran 1.8x
+    256 x 512 at 1x16384 causal, and 128 x 2048 1.23x 128 x 512 at 8x2048x32x64 (-010153.json,
+    -010531.json)."""
+    fwd_q, fwd_k = _chunked_blocks(shape, (1024, 4096), _DENSE_LIMIT)
+    bwd_q, bwd_k = _chunked_blocks(shape, (1024, 2048), _DENSE_LIMIT)
     return (
         FwdParams(q_blocksize=fwd_q, kv_blocksize=fwd_k),
         BwdParams(q_blocksize=bwd_q, kv_blocksize=bwd_k),
