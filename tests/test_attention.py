@@ -852,6 +852,21 @@ def test_auto_orders_float32_inputs_on_gpus(
     assert [(p.q_blocksize, p.kv_blocksize) for p in _triton.heuristic(wide)] == [(16, 32)] * 2
 
 
+@pytest.fixture
+def hopper_without_cudnn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` on a Hopper GPU where XLA, Pallas and Triton are native and Triton takes the call
+    (compiled Triton cannot trace off a CUDA GPU)."""
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
+    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
+    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("xla", "pallas", "triton"))
+    refusal = _api._refusal
+    monkeypatch.setattr(
+        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
+    )
+
+
 @pytest.mark.parametrize(
     ("q_len", "k_len", "dtype", "platform", "variant"),
     [
@@ -861,21 +876,13 @@ def test_auto_orders_float32_inputs_on_gpus(
         (1, 32768, jnp.bfloat16, "triton", "triton"),  # 16-bit decoding keeps its order
     ],
 )
+@pytest.mark.usefixtures("hopper_without_cudnn")
 def test_auto_takes_xla_first_for_float32_on_gpus(
-    q_len: int, k_len: int, dtype: Any, platform: str, variant: str, monkeypatch: pytest.MonkeyPatch
+    q_len: int, k_len: int, dtype: Any, platform: str, variant: str
 ) -> None:
     """XLA's full-precision attention ran ahead of our FMA kernels with float32 inputs (2.3-7.8x
     forward+backward on an H200): ``auto`` trains and infers there, dense or chunked by the size of
     the scores, for decoding calls too."""
-    from ejkfn.attention import _api
-
-    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
-    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
-    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("xla", "pallas", "triton"))
-    refusal = _api._refusal
-    monkeypatch.setattr(  # compiled Triton cannot trace off a CUDA GPU
-        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
-    )
     kernel = FlashAttention()
     q = jax.ShapeDtypeStruct((4, q_len, 16, 128), dtype)
     kv = jax.ShapeDtypeStruct((4, k_len, 8, 128), dtype)
@@ -883,21 +890,13 @@ def test_auto_takes_xla_first_for_float32_on_gpus(
     assert (cfg.platform, cfg.variant, cfg.inference) == (platform, variant, None)
 
 
-def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.usefixtures("hopper_without_cudnn")
+def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton() -> None:
     """There Triton's forward ran 1.2-1.7x XLA's on an H200 while XLA trained faster: ``auto``
     trains on XLA and infers on Triton. Not at head dim 128, without the causal mask, with another
     feature, or decoding (XLA read faster or it was not measured)."""
     from ejkfn.attention import _api
 
-    monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
-    monkeypatch.setattr(_api, "_is_hopper", lambda: True)
-    monkeypatch.setattr(_api, "_native", lambda b: b.platform in ("xla", "pallas", "triton"))
-    refusal = _api._refusal
-    monkeypatch.setattr(  # compiled Triton cannot trace off a CUDA GPU
-        _api, "_refusal", lambda b, *call: None if b.platform == "triton" else refusal(b, *call)
-    )
     kernel = FlashAttention()
 
     def cfg_of(seq_q: int = 2048, dim: int = 64, **options: Any) -> AttentionConfig:
