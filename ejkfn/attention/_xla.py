@@ -505,29 +505,23 @@ def _fit(block: int, seq: int) -> int:
     return seq if seq <= block else block
 
 
-def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
-    """``bq`` then ``bk`` halved (to 16 at least) until ``rows`` tiles of them hold ``limit``
-    scores or fewer."""
-    while rows * bq * bk > limit and bq > 16:
-        bq = max(16, _pow2_at_least(bq) // 2)
-    while rows * bq * bk > limit and bk > 16:
-        bk = max(16, _pow2_at_least(bk) // 2)
-    return bq, bk
-
-
-def _chunked_blocks(
-    shape: AttentionShape, unmasked: tuple[int, int], limit: int
-) -> tuple[int, int]:
+def _chunked_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, int]:
     """A chunked tile ``(queries, keys)``: ``unmasked`` without a causal or window mask; with one
     an eighth of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer
-    hidden scores; each halved until the tiles of all batches and heads hold ``limit`` scores."""
+    hidden scores. Queries, then keys, are halved (to 16) until the tiles of all batches and heads
+    hold ``_DENSE_LIMIT`` scores or fewer."""
     if shape.spec.causal or shape.spec.window is not None:
         bk = min(2048, max(512, _pow2_at_least(shape.seq_k // 8)))
         bq = bk // 2
     else:
         bq, bk = unmasked
+    bq, bk = _fit(bq, shape.seq_q), _fit(bk, shape.seq_k)
     rows = shape.batch * shape.heads
-    return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), limit)
+    while rows * bq * bk > _DENSE_LIMIT and bq > 16:
+        bq = max(16, _pow2_at_least(bq) // 2)
+    while rows * bq * bk > _DENSE_LIMIT and bk > 16:
+        bk = max(16, _pow2_at_least(bk) // 2)
+    return bq, bk
 
 
 def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
@@ -538,8 +532,8 @@ def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     20261130-004704.json to -005035.json). Forward+backward on both tiles, 1024 x 2048 ran 1.8x
     256 x 512 at 1x16384 causal, and 128 x 2048 1.23x 128 x 512 at 8x2048x32x64 (-010153.json,
     -010531.json)."""
-    fwd_q, fwd_k = _chunked_blocks(shape, (1024, 4096), _DENSE_LIMIT)
-    bwd_q, bwd_k = _chunked_blocks(shape, (1024, 2048), _DENSE_LIMIT)
+    fwd_q, fwd_k = _chunked_blocks(shape, (1024, 4096))
+    bwd_q, bwd_k = _chunked_blocks(shape, (1024, 2048))
     return (
         FwdParams(q_blocksize=fwd_q, kv_blocksize=fwd_k),
         BwdParams(q_blocksize=bwd_q, kv_blocksize=bwd_k),
