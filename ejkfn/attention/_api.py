@@ -526,10 +526,10 @@ def _float32_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a float32 causal call at head dims up to 64 with
     no other feature, which trains on XLA (first for float32): its forward on Triton. There,
-    on an H200, Triton's forward ran 1.19-1.49x XLA's dense one and 1.26-1.74x the chunked one
-    at 16x1024x16, 8x2048x32, 4x4096x16 and 2x8192x16 (results/decode_NVIDIA_H200_20261130-
-    004133.json, -004704.json), where XLA trained 1.56x faster (NOTES.md, fifty-ninth round).
-    None elsewhere."""
+    on an H200, Triton's forward ran 1.19-1.49x XLA's dense one and 1.13-1.54x the chunked one
+    (on its heuristic's tiles) at 16x1024x16, 8x2048x32, 4x4096x16 and 2x8192x16
+    (results/decode_NVIDIA_H200_20261130-004133.json, -005716.json), where XLA trained 1.56x
+    faster at 8x2048x32 (NOTES.md, fifty-ninth round). None elsewhere."""
     spec = shape.spec
     plain_causal = spec.features == {"causal"}
     if training.platform != "xla" or shape.dtype != "float32" or not _is_hopper():
