@@ -1394,26 +1394,28 @@ def test_auto_decodes_on_triton_on_gpus(
 
 
 @pytest.mark.parametrize(
-    ("shape", "causal", "fwd", "bwd"),
+    ("shape", "mask", "fwd", "bwd"),
     [
-        ((1, 16384, 16, 128), True, (1024, 2048), (1024, 2048)),  # an eighth of the keys
-        ((8, 2048, 32, 64), True, (256, 512), (256, 512)),  # at least 512 keys
-        ((2, 4096, 8, 256), False, (1024, 4096), (1024, 2048)),  # no mask: long keys
-        ((8, 2048, 32, 64), False, (128, 2048), (128, 2048)),  # queries halved to fit
-        ((2, 100, 4, 32), False, (100, 100), (100, 100)),  # one tile for a short sequence
+        ((1, 16384, 16, 128), "causal", (1024, 2048), (1024, 2048)),  # an eighth of the keys
+        ((8, 2048, 32, 64), "causal", (256, 512), (256, 512)),  # at least 512 keys
+        ((1, 16384, 16, 128), "window", (256, 512), (256, 512)),
+        ((2, 4096, 8, 256), None, (1024, 4096), (1024, 2048)),  # no mask: long keys
+        ((8, 2048, 32, 64), None, (128, 2048), (128, 2048)),  # queries halved to fit
+        ((2, 100, 4, 32), None, (100, 100), (100, 100)),  # one tile for a short sequence
     ],
 )
 def test_chunked_tiles_are_long_along_the_keys_within_the_dense_limit(
-    shape: tuple[int, ...], causal: bool, fwd: tuple[int, int], bwd: tuple[int, int]
+    shape: tuple[int, ...], mask: str | None, fwd: tuple[int, int], bwd: tuple[int, int]
 ) -> None:
     """XLA's chunked tiles: as long along the keys as the masks allow (an eighth of the keys, by
-    half as many queries, under a causal mask), queries then keys halved until the tiles of all
-    batches and heads hold no more scores than the dense variant may (2^26)."""
+    half as many queries, under a causal mask; 256 x 512 with a window), queries then keys halved
+    until the tiles of all batches and heads hold no more scores than the dense variant may."""
     from ejkfn.attention import _xla
 
     batch, seq, heads, dim = shape
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
-    spec = AttentionSpec(scale=dim**-0.5, causal=causal)
+    window = (128, 0) if mask == "window" else None
+    spec = AttentionSpec(scale=dim**-0.5, causal=mask == "causal", window=window)
     fp, bp = _xla.CHUNKED.heuristic(AttentionShape.of(x, x, spec))
     assert (fp.q_blocksize, fp.kv_blocksize) == fwd
     assert (bp.q_blocksize, bp.kv_blocksize) == bwd
