@@ -1404,20 +1404,31 @@ def test_auto_decodes_on_triton_on_gpus(
         ((2, 100, 4, 32), None, (100, 100), (100, 100)),  # one tile for a short sequence
     ],
 )
-def test_chunked_tiles_are_long_along_the_keys_within_the_dense_limit(
-    shape: tuple[int, ...], mask: str | None, fwd: tuple[int, int], bwd: tuple[int, int]
+def test_chunked_tiles_on_a_gpu_are_long_along_the_keys_within_the_dense_limit(
+    shape: tuple[int, ...],
+    mask: str | None,
+    fwd: tuple[int, int],
+    bwd: tuple[int, int],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """XLA's chunked tiles: as long along the keys as the masks allow (an eighth of the keys, by
-    half as many queries, under a causal mask; 256 x 512 with a window), queries then keys halved
-    until the tiles of all batches and heads hold no more scores than the dense variant may."""
+    """XLA's chunked tiles on a GPU: as long along the keys as the masks allow (an eighth of the
+    keys, by half as many queries, under a causal mask; 256 x 512 with a window), queries then
+    keys halved until the tiles of all batches and heads hold no more scores than the dense
+    variant may. Elsewhere (the CPU ran long tiles 1.2-2.5x slower) at most 256 x 512."""
     from ejkfn.attention import _xla
 
     batch, seq, heads, dim = shape
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
     window = (128, 0) if mask == "window" else None
     spec = AttentionSpec(scale=dim**-0.5, causal=mask == "causal", window=window)
-    fp, bp = _xla.CHUNKED.heuristic(AttentionShape.of(x, x, spec))
+    call = AttentionShape.of(x, x, spec)
+    monkeypatch.setattr(_xla, "device_kind", lambda: "gpu")
+    fp, bp = _xla.CHUNKED.heuristic(call)
     assert (fp.q_blocksize, fp.kv_blocksize) == fwd
     assert (bp.q_blocksize, bp.kv_blocksize) == bwd
     for q_block, kv_block in (fwd, bwd):
         assert batch * heads * q_block * kv_block <= _xla._DENSE_LIMIT
+    monkeypatch.setattr(_xla, "device_kind", lambda: "cpu")
+    for params in _xla.CHUNKED.heuristic(call):
+        assert params.q_blocksize <= min(256, seq) and params.kv_blocksize <= min(512, seq)
+        assert batch * heads * params.q_blocksize * params.kv_blocksize <= 1 << 24

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._platform import device_kind
 from .._registry import BwdParams, FwdParams
 from ._backend import AttentionBackend, AttentionShape, decoding_rows, register_backend
 from ._dropout import keep_mask, keep_scale
@@ -474,8 +475,10 @@ def _chunked_bwd(
 # --- heuristics ------------------------------------------------------------------------------------
 
 # Dense scores above this many elements per call go to the chunked variant (256 MiB in float32);
-# a chunked tile of scores for all batches and heads holds as many at most.
+# a chunked tile of scores for all batches and heads on a GPU holds as many at most.
 _DENSE_LIMIT = 1 << 26
+# Off GPUs a chunked tile holds this many at most (64 MiB in float32).
+_SHORT_TILE_LIMIT = 1 << 24
 
 
 def preferred_variant(shape: AttentionShape) -> str:
@@ -505,11 +508,20 @@ def _fit(block: int, seq: int) -> int:
     return seq if seq <= block else block
 
 
-def _chunked_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, int]:
-    """A chunked tile ``(queries, keys)``: ``unmasked`` without a mask; causal an eighth of the
-    keys (512-2048) by half as many queries, whose diagonal blocks compute fewer hidden scores;
-    with a window 256 x 512 (not timed against others). Queries, then keys, are halved (to 16)
-    until the tiles of all batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
+def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
+    """``bq``, then ``bk``, halved (to 16) until ``rows`` tiles hold ``limit`` scores or fewer."""
+    while rows * bq * bk > limit and bq > 16:
+        bq = max(16, _pow2_at_least(bq) // 2)
+    while rows * bq * bk > limit and bk > 16:
+        bk = max(16, _pow2_at_least(bk) // 2)
+    return bq, bk
+
+
+def _gpu_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, int]:
+    """A chunked tile ``(queries, keys)`` on a GPU: ``unmasked`` without a mask; causal an eighth
+    of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer hidden
+    scores; with a window 256 x 512 (not timed against others). Halved until the tiles of all
+    batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
     if shape.spec.window is not None:
         bq, bk = 256, 512
     elif shape.spec.causal:
@@ -517,25 +529,26 @@ def _chunked_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[i
         bq = bk // 2
     else:
         bq, bk = unmasked
-    bq, bk = _fit(bq, shape.seq_q), _fit(bk, shape.seq_k)
     rows = shape.batch * shape.heads
-    while rows * bq * bk > _DENSE_LIMIT and bq > 16:
-        bq = max(16, _pow2_at_least(bq) // 2)
-    while rows * bq * bk > _DENSE_LIMIT and bk > 16:
-        bk = max(16, _pow2_at_least(bk) // 2)
-    return bq, bk
+    return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), _DENSE_LIMIT)
 
 
 def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
-    """Tiles as long as the masks allow. In float32 on an H200 the forward ran 2.0x faster on
-    1024 x 2048 tiles than on 256 x 512 at 1x16384x16x128 causal, 1.7x on 1024 x 4096 at
+    """On GPUs, tiles as long as the masks allow. In float32 on an H200 the forward ran 2.0x faster
+    on 1024 x 2048 tiles than on 256 x 512 at 1x16384x16x128 causal, 1.7x on 1024 x 4096 at
     2x4096x8x256 and 1.4x on 128 x 2048 at 8x2048x32x64, whose scan rescales its output a quarter
     as often; causal at 8x2048x32x64, 256 x 512 led longer tiles (results/decode_NVIDIA_H200_
     20261130-004704.json to -005035.json). Forward+backward on both tiles, 1024 x 2048 ran 1.8x
     256 x 512 at 1x16384 causal, and 128 x 2048 1.23x 128 x 512 at 8x2048x32x64 (-010153.json,
-    -010531.json)."""
-    fwd_q, fwd_k = _chunked_blocks(shape, (1024, 4096))
-    bwd_q, bwd_k = _chunked_blocks(shape, (1024, 2048))
+    -010531.json). Elsewhere at most 256 x 512 and ``_SHORT_TILE_LIMIT`` scores: on a CPU the long
+    tiles ran 2.1-2.5x slower without a mask and 1.2-1.4x causal (1x8192x8x64)."""
+    if device_kind() == "gpu":
+        fwd_q, fwd_k = _gpu_blocks(shape, (1024, 4096))
+        bwd_q, bwd_k = _gpu_blocks(shape, (1024, 2048))
+    else:
+        rows, seq_q, seq_k = shape.batch * shape.heads, shape.seq_q, shape.seq_k
+        fwd_q, fwd_k = _halve_to_fit(rows, _fit(256, seq_q), _fit(512, seq_k), _SHORT_TILE_LIMIT)
+        bwd_q, bwd_k = fwd_q, fwd_k
     return (
         FwdParams(q_blocksize=fwd_q, kv_blocksize=fwd_k),
         BwdParams(q_blocksize=bwd_q, kv_blocksize=bwd_k),
@@ -544,8 +557,9 @@ def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
 
 def _chunked_candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     out = [_chunked_heuristic(shape)]
-    for bq in (128, 256, 512, 1024):
-        for bk in (512, 1024, 2048, 4096):
+    long = device_kind() == "gpu"
+    for bq in (128, 256, 512, 1024) if long else (64, 128, 256, 512):
+        for bk in (512, 1024, 2048, 4096) if long else (128, 256, 512, 1024):
             q_b, k_b = _fit(bq, shape.seq_q), _fit(bk, shape.seq_k)
             if shape.batch * shape.heads * q_b * k_b > _DENSE_LIMIT:
                 continue
