@@ -197,7 +197,7 @@ def impls(
         cfgs = {name: (fp, bp)}
         if backend.splits_keys:
             cfgs |= {f"{name} {item}": (sweep_params(fp, item), bp) for item in sweep}
-        if name == "ejkfn xla/chunked":
+        if (backend.platform, backend.variant) == ("xla", "chunked"):
             cfgs |= {f"{name} {item}": chunk_params(item) for item in chunks}
         for label, (fwd, bwd) in cfgs.items():
             cfg = AttentionConfig(
