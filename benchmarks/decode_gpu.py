@@ -14,7 +14,7 @@ merit is its rate in GB/s of q, k, v and the output against the copy ceiling
 
     python3 benchmarks/decode_gpu.py [--shapes 1x1x32768x32x8x128,...] [--out DIR]
         [--sweep 64x4x3xm2,...] [--chunks 256x1024,...] [--skip xla/chunked,...] [--backward]
-        [--dtype float32] [--feature bias|dropout|soft_cap]
+        [--dtype float32] [--feature bias|dropout|soft_cap|window[N]]
 
 A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``, with a ``c`` after it for causal calls
 (the queries are the cache's last positions: speculative decoding, a chunk of a prefill); there
@@ -22,9 +22,10 @@ A shape is ``BATCHxSEQ_QxSEQ_KxHEADSxKV_HEADSxHEAD_DIM``, with a ``c`` after it 
 keys).
 
 ``--dtype`` sets q, k and v's dtype (and a bias's); ``--feature`` adds a bias (``[1, H, Sq, Sk]``,
-one a head), dropout or a logits soft cap to every call (features_gpu.py's); the reference is
-then the dense float32 one with that feature, and ``jax.nn``'s rows are left out where it has
-no such feature.
+one a head), dropout, a logits soft cap or a sliding window (``window``: a quarter of the keys on
+either side of each query, ``windowN``: ``N``; the queries sit at the cache's last positions) to
+every call (features_gpu.py's); the reference is then the dense float32 one with that feature,
+and ``jax.nn``'s rows are left out where it has no such feature.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from attention import check_then_time, rel_err, save_rows
-from features_gpu import DTYPES, feature_spec, jitted, static_options
+from features_gpu import DTYPES, feature_spec, jitted, static_options, window_keys
 
 import ejkfn
 from ejkfn import BwdParams, FwdParams
@@ -52,8 +53,16 @@ SHAPES = (
     "1x1x131072x32x8x128,4x16x16384x32x8x128,16x1x8192x32x32x128,8x1x8192x16x16x64"
 )
 MAX_ERROR = 2e-2
-# Features a decoding call can carry here: each needs at most a [1, H, Sq, Sk] bias or a seed.
-FEATURES = ("none", "bias", "dropout", "soft_cap")
+# Features a decoding call can carry here: each needs at most a [1, H, Sq, Sk] bias or a seed
+# (a window, "window" or "windowN", needs neither).
+FEATURES = ("none", "bias", "dropout", "soft_cap", "window")
+
+
+def decode_feature(text: str) -> str:
+    """``--feature``'s value, checked: one of ``FEATURES`` or ``windowN``."""
+    if text in FEATURES or window_keys(text, 0) is not None:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {FEATURES} or windowN (N keys)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +311,7 @@ def main() -> int:
         "--backward", action="store_true", help="time forward and backward (cross-attention)"
     )
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--feature", choices=FEATURES, default="none")
+    parser.add_argument("--feature", type=decode_feature, default="none")
     args = parser.parse_args()
     try:
         cases = [

@@ -927,6 +927,40 @@ def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton() -> None:
         assert (other.platform, other.inference) == ("xla", None), other
 
 
+@pytest.mark.usefixtures("hopper_without_cudnn")
+@pytest.mark.parametrize(
+    ("window", "causal", "dim", "trains", "infers"),
+    [
+        ((256, 256), True, 128, "triton", None),  # Triton trained 1.68x XLA
+        ((512, 512), True, 64, "triton", None),  # 1.12x at 512 keys (head dim 128)
+        ((1024, 1024), True, 128, "xla", "triton"),  # XLA trained 1.26x; Triton inferred 1.36x
+        ((1024, 1024), True, 64, "xla", "triton"),
+        ((256, 256), False, 128, "xla", "triton"),  # 512 keys seen: XLA trained 1.40x, Triton
+        # inferred 1.16x
+        ((1024, 1024), False, 128, "xla", None),  # 2048 seen: XLA 1.42x Triton's forward
+        ((4096, 4096), True, 128, "xla", None),  # 4096 seen: XLA 1.41x
+        ((256, 256), True, 256, "xla", None),  # not measured
+    ],
+)
+def test_auto_runs_a_float32_call_with_a_narrow_window_on_triton(
+    window: tuple[int, int], causal: bool, dim: int, trains: str, infers: str | None
+) -> None:
+    """With a sliding window Triton's float32 forward led XLA's on an H200 while each query saw at
+    most 1024 keys, its forward+backward causal up to 512 keys: ``auto`` trains on XLA first for
+    float32 but on Triton there, and infers on Triton where only its forward led."""
+    kernel = FlashAttention()
+    x = jax.ShapeDtypeStruct((2, 8192, 8, dim), jnp.float32)
+    call = ejkfn.Invocation.of(kernel, x, x, x, causal=causal, sliding_window=window)
+    cfg = kernel.heuristic_cfg(call)
+    assert cfg.platform == trains
+    assert (cfg.inference and cfg.inference.platform) == infers, cfg
+    with_soft_cap = ejkfn.Invocation.of(
+        kernel, x, x, x, causal=causal, sliding_window=window, logits_soft_cap=20.0
+    )
+    other = kernel.heuristic_cfg(with_soft_cap)  # another feature: not measured
+    assert (other.platform, other.inference) == ("xla", None)
+
+
 def test_auto_on_hopper_infers_on_the_training_backend_where_the_other_refuses(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1398,7 +1432,9 @@ def test_auto_decodes_on_triton_on_gpus(
     [
         ((1, 16384, 16, 128), "causal", (1024, 2048), (1024, 2048)),  # an eighth of the keys
         ((8, 2048, 32, 64), "causal", (256, 512), (256, 512)),  # at least 512 keys
-        ((1, 16384, 16, 128), "window", (256, 512), (256, 512)),
+        ((1, 16384, 16, 128), "window128", (256, 512), (256, 512)),  # at least 512 keys
+        ((2, 8192, 8, 128), "window1024", (512, 1024), (512, 1024)),  # the window's wider side
+        ((2, 8192, 8, 128), "window4096", (1024, 2048), (1024, 2048)),  # at most 2048 keys
         ((2, 4096, 8, 256), None, (1024, 4096), (1024, 2048)),  # no mask: long keys
         ((8, 2048, 32, 64), None, (128, 2048), (128, 2048)),  # queries halved to fit
         ((2, 100, 4, 32), None, (100, 100), (100, 100)),  # one tile for a short sequence
@@ -1412,14 +1448,14 @@ def test_chunked_tiles_on_a_gpu_are_long_along_the_keys_within_the_dense_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """XLA's chunked tiles on a GPU: as long along the keys as the masks allow (an eighth of the
-    keys, by half as many queries, under a causal mask; 256 x 512 with a window), queries then
-    keys halved until the tiles of all batches and heads hold no more scores than the dense
-    variant may. Elsewhere (the CPU ran long tiles 1.2-2.5x slower) at most 256 x 512."""
+    keys, by half as many queries, under a causal mask; with a window keys as many as its wider
+    side, 512 to 2048, by half as many queries), queries then keys halved until the tiles of all
+    batches and heads hold no more scores than the dense variant may. Elsewhere (the CPU ran long tiles 1.2-2.5x slower) at most 256 x 512."""
     from ejkfn.attention import _xla
 
     batch, seq, heads, dim = shape
     x = jax.ShapeDtypeStruct(shape, jnp.float32)
-    window = (128, 0) if mask == "window" else None
+    window = (int(mask.removeprefix("window")),) * 2 if mask and "window" in mask else None
     spec = AttentionSpec(scale=dim**-0.5, causal=mask == "causal", window=window)
     call = AttentionShape.of(x, x, spec)
     monkeypatch.setattr(_xla, "device_kind", lambda: "gpu")

@@ -848,8 +848,16 @@ def test_decode_benchmark_checks_times_and_saves(tmp_path):
     rows = _saved(tmp_path / "dropout", "decode_*.json")["rows"]
     assert {r["impl"] for r in rows} == {"ejkfn xla/dense", "ejkfn auto"}  # jax.nn: no dropout
     assert all(r["error"] < 2e-2 for r in rows), rows
+    # a window of 64 keys behind each query: the chunked variant skips the blocks it hides
+    _run("decode_gpu.py", "--shapes", "1x256x256x4x2x32c", "--calls", "1", "--rounds", "1", "--skip", "jax.nn cudnn", "--feature", "window64", "--chunks", "32x64", "--out", str(tmp_path / "window"))  # fmt: skip
+    rows = _saved(tmp_path / "window", "decode_*.json")["rows"]
+    assert {r["impl"] for r in rows} == {
+        "ejkfn xla/dense", "ejkfn xla/chunked", "ejkfn xla/chunked 32x64", "ejkfn auto"
+    }  # fmt: skip
+    assert all(r["case"] == "1x256:256x4(2 kv)x32 causal window64" for r in rows), rows
+    assert all(r["error"] < 2e-2 for r in rows), rows
     _run("decode_gpu.py", "--shapes", "2x1x256x4", returncode=2)
-    _run("decode_gpu.py", "--feature", "window", returncode=2)
+    _run("decode_gpu.py", "--feature", "windowx", returncode=2)
     (decode_gpu,) = _benchmark_modules("decode_gpu")
     # the bias travels as an argument of each program, one per head
     case = decode_gpu.DecodeCase.parse("2x3x256x4x2x32c")

@@ -53,6 +53,8 @@ _AUTO_ORDER_FLOAT32 = {"gpu": ("xla", "triton", "pallas")}
 # Pallas-Triton before Triton where it ran faster on the float32 blocks of both
 # (:func:`_float32_pallas_first`).
 _AUTO_ORDER_FLOAT32_PALLAS = {"gpu": ("xla", "pallas", "triton")}
+# Triton first where it trained faster than XLA on Hopper (:func:`_float32_triton_trains`).
+_AUTO_ORDER_FLOAT32_TRITON = {"gpu": ("triton", "xla", "pallas")}
 # Decoding (few queries against many keys, ``_backend.decoding_rows``): Triton's forward splits
 # the keys among programs and folds a GQA group's heads into one; on an H200 it ran 0.96-2.5x
 # cuDNN at twelve decoding shapes, where the Mosaic forward ran 0.09-1.01x
@@ -518,23 +520,47 @@ def _float32_pallas_first(shape: AttentionShape) -> bool:
     return shape.head_dim <= 128 and "attention_mask" in features
 
 
+def _float32_triton_infers(shape: AttentionShape) -> bool:
+    """Whether Triton's forward leads XLA's for this float32 call on Hopper. On an H200 it ran
+    1.19-1.49x XLA's dense forward and 1.13-1.54x the chunked one (on its heuristic's tiles)
+    causal at head dim 64 (16x1024x16, 8x2048x32, 4x4096x16, 2x8192x16; results/decode_NVIDIA_
+    H200_20261130-004133.json, -005716.json). With a sliding window it leads while each query
+    sees at most 1024 keys: 1.16-2.71x XLA's fastest tile at 256-1024 keys (causal at head dims
+    64 and 128, not causal at 128), 0.70-0.99x at 2048-4096 (-025847.json to -030830.json)."""
+    spec = shape.spec
+    if spec.features == {"causal"}:
+        return shape.head_dim <= 64
+    if spec.window is None or not spec.features <= {"causal", "sliding_window"}:
+        return False
+    left, right = spec.window
+    return shape.head_dim <= 128 and left + (0 if spec.causal else right) <= 1024
+
+
+def _float32_triton_trains(shape: AttentionShape) -> bool:
+    """Whether Triton's forward+backward leads XLA's for this float32 call on Hopper: causal with
+    a window of at most 512 keys and nothing else. On an H200 it ran 1.68x XLA's at 256 keys and
+    1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64); XLA led 1.26x at 1024 keys, and
+    1.40x without the causal mask at 256 keys a side (4x4096x16x128; results/decode_NVIDIA_H200_
+    20261130-030202.json, -031308.json to -031912.json)."""
+    spec = shape.spec
+    if spec.window is None or spec.features != {"causal", "sliding_window"}:
+        return False
+    return shape.head_dim <= 128 and spec.window[0] <= 512 and _is_hopper()
+
+
 def _float32_cfg(
     training: AttentionBackend,
     shape: AttentionShape,
     args: Sequence[Any],
     kwargs: dict[str, Any],
 ) -> AttentionConfig | None:
-    """``auto``'s heuristic config on Hopper for a float32 causal call at head dims up to 64 with
-    no other feature, which trains on XLA (first for float32): its forward on Triton. There,
-    on an H200, Triton's forward ran 1.19-1.49x XLA's dense one and 1.13-1.54x the chunked one
-    (on its heuristic's tiles) at 16x1024x16, 8x2048x32, 4x4096x16 and 2x8192x16
-    (results/decode_NVIDIA_H200_20261130-004133.json, -005716.json), where XLA trained 1.56x
-    faster at 8x2048x32 (NOTES.md, fifty-ninth round). None elsewhere."""
-    spec = shape.spec
-    plain_causal = spec.features == {"causal"}
+    """``auto``'s heuristic config on Hopper for a float32 call that trains on XLA (first for
+    float32) where Triton's forward leads (:func:`_float32_triton_infers`): its forward on
+    Triton. XLA trained 1.56x faster causal at 8x2048x32x64 (NOTES.md, fifty-ninth round) and
+    1.26x with a causal window of 1024 keys at 2x8192x8x128 (-030202.json). None elsewhere."""
     if training.platform != "xla" or shape.dtype != "float32" or not _is_hopper():
         return None
-    if not plain_causal or shape.head_dim > 64 or _backend.decoding_rows(shape) is not None:
+    if not _float32_triton_infers(shape) or _backend.decoding_rows(shape) is not None:
         return None
     triton = backend_for(*_TRITON)
     params = triton.heuristic(shape)
@@ -805,8 +831,12 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         if shape.dtype == "float32":
-            pallas = _float32_pallas_first(shape)
-            table = _AUTO_ORDER_FLOAT32_PALLAS if pallas else _AUTO_ORDER_FLOAT32
+            if _float32_triton_trains(shape) and _backend.decoding_rows(shape) is None:
+                table = _AUTO_ORDER_FLOAT32_TRITON
+            elif _float32_pallas_first(shape):
+                table = _AUTO_ORDER_FLOAT32_PALLAS
+            else:
+                table = _AUTO_ORDER_FLOAT32
             order = list(table.get(kind, order))
         elif decoding and _backend.decoding_rows(shape) is not None:  # float32 decodes on XLA too
             order = list(_AUTO_ORDER_DECODING.get(kind, order))

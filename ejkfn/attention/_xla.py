@@ -520,10 +520,11 @@ def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
 def _gpu_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, int]:
     """A chunked tile ``(queries, keys)`` on a GPU: ``unmasked`` without a mask; causal an eighth
     of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer hidden
-    scores; with a window 256 x 512 (not timed against others). Halved until the tiles of all
-    batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
+    scores; with a window keys as many as its wider side (512-2048) by half as many queries.
+    Halved until the tiles of all batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
     if shape.spec.window is not None:
-        bq, bk = 256, 512
+        bk = min(2048, max(512, _pow2_at_least(max(shape.spec.window))))
+        bq = bk // 2
     elif shape.spec.causal:
         bk = min(2048, max(512, _pow2_at_least(shape.seq_k // 8)))
         bq = bk // 2
@@ -540,7 +541,10 @@ def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     as often; causal at 8x2048x32x64, 256 x 512 led longer tiles (results/decode_NVIDIA_H200_
     20261130-004704.json to -005035.json). Forward+backward on both tiles, 1024 x 2048 ran 1.8x
     256 x 512 at 1x16384 causal, and 128 x 2048 1.23x 128 x 512 at 8x2048x32x64 (-010153.json,
-    -010531.json). Elsewhere at most 256 x 512 and ``_SHORT_TILE_LIMIT`` scores: on a CPU the long
+    -010531.json). With a window the tile that led followed its width: 256 x 512 at 256 keys a
+    side, 512 x 1024 at 1024 (1.07x 256 x 512 forward at 2x8192x8x128 causal and 4x4096x16x128,
+    1.57x at 2x8192x16x64 causal; 1.09x forward+backward), 1024 x 2048 at 4096 (1.45x; -025847.json
+    to -030830.json). Elsewhere at most 256 x 512 and ``_SHORT_TILE_LIMIT`` scores: on a CPU the long
     tiles ran 2.1-2.5x slower without a mask and 1.2-1.4x causal (1x8192x8x64)."""
     if device_kind() == "gpu":
         fwd_q, fwd_k = _gpu_blocks(shape, (1024, 4096))
