@@ -44,7 +44,8 @@ _AUTO_ORDER = {
 # 8x1:8192x32(8 kv)x128 (dense). Forward: 1.36x, 1.01x at 1x16384x16x128 causal, 1.5-3.8x
 # decoding; 0.74x only at 8x2048x32x64 causal (results/decode_NVIDIA_H200_20261129-224926.json to
 # -231101.json). So XLA goes first, for decoding calls too; causal calls at head dims up to 64
-# infer on Triton (:func:`_float32_cfg`). Of our kernels, Pallas-Triton's
+# and calls with a narrow window infer on Triton (:func:`_float32_cfg`), causal windows of up to
+# 512 keys train there too (:func:`_float32_triton_trains`). Of our kernels, Pallas-Triton's
 # blocks spill: at 8x2048x32x64 causal it ran forward 0.048x and forward+backward 0.23x Triton
 # (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes next; on both kernels'
 # float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x its
