@@ -439,9 +439,7 @@ def _hopper_cfg(
     if _refusal(mosaic, shape, args, kwargs, (fwd, bwd)) is None:
         return _config(mosaic, (fwd, bwd))
     if bwd != own and _refusal(mosaic, shape, args, kwargs, (fwd, own)) is None:
-        return dataclasses.replace(
-            _config(training, training.heuristic(shape)), inference=_config(mosaic, (fwd, own))
-        )
+        return _inferring_on(training, shape, mosaic, (fwd, own))
     return None
 
 
@@ -567,9 +565,7 @@ def _float32_cfg(
     params = triton.heuristic(shape)
     if not _native(triton) or _refusal(triton, shape, args, kwargs, params) is not None:
         return None
-    return dataclasses.replace(
-        _config(training, training.heuristic(shape)), inference=_config(triton, params)
-    )
+    return _inferring_on(training, shape, triton, params)
 
 
 def _feature_cfg(
@@ -646,6 +642,17 @@ def _config(backend: AttentionBackend, params: tuple[FwdParams, BwdParams]) -> A
     return AttentionConfig(
         platform=backend.platform, variant=backend.variant, fwd=params[0], bwd=params[1]
     )
+
+
+def _inferring_on(
+    training: AttentionBackend,
+    shape: AttentionShape,
+    inference: AttentionBackend,
+    params: tuple[FwdParams, BwdParams],
+) -> AttentionConfig:
+    """``training``'s heuristic config whose forward outside of training runs ``inference``."""
+    trains = _config(training, training.heuristic(shape))
+    return dataclasses.replace(trains, inference=_config(inference, params))
 
 
 def _resolve(cfg: AttentionConfig, spec: AttentionSpec, shape: AttentionShape) -> AttentionBackend:
