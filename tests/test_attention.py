@@ -932,7 +932,7 @@ def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton() -> None:
     ("window", "causal", "dim", "trains", "infers"),
     [
         ((256, 256), True, 128, "triton", None),  # Triton trained 1.68x XLA
-        ((512, 512), True, 64, "triton", None),  # 1.12x at 512 keys (head dim 128)
+        ((512, 512), True, 64, "triton", None),  # 1.74x at 1x16384x16x64
         ((1024, 1024), True, 128, "xla", "triton"),  # XLA trained 1.26x; Triton inferred 1.36x
         ((1024, 1024), True, 64, "xla", "triton"),
         ((256, 256), False, 128, "xla", "triton"),  # 512 keys seen: XLA trained 1.40x, Triton
@@ -1450,7 +1450,8 @@ def test_chunked_tiles_on_a_gpu_are_long_along_the_keys_within_the_dense_limit(
     """XLA's chunked tiles on a GPU: as long along the keys as the masks allow (an eighth of the
     keys, by half as many queries, under a causal mask; with a window keys as many as its wider
     side, 512 to 2048, by half as many queries), queries then keys halved until the tiles of all
-    batches and heads hold no more scores than the dense variant may. Elsewhere (the CPU ran long tiles 1.2-2.5x slower) at most 256 x 512."""
+    batches and heads hold no more scores than the dense variant may. Elsewhere (the CPU ran long
+    tiles 1.2-2.5x slower) at most 256 x 512."""
     from ejkfn.attention import _xla
 
     batch, seq, heads, dim = shape

@@ -525,7 +525,8 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
     causal at head dim 64 (16x1024x16, 8x2048x32, 4x4096x16, 2x8192x16; results/decode_NVIDIA_
     H200_20261130-004133.json, -005716.json). With a sliding window it leads while each query
     sees at most 1024 keys: 1.16-2.71x XLA's fastest tile at 256-1024 keys (causal at head dims
-    64 and 128, not causal at 128), 0.70-0.99x at 2048-4096 (-025847.json to -030830.json)."""
+    64 and 128, not causal at 128), 0.70-0.99x at 2048-4096 (-025847.json to -030830.json); 2.23x
+    its heuristic's at 8x2048x32x64 with 128 keys a side (-032612.json)."""
     spec = shape.spec
     if spec.features == {"causal"}:
         return shape.head_dim <= 64
@@ -538,9 +539,9 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
 def _float32_triton_trains(shape: AttentionShape) -> bool:
     """Whether Triton's forward+backward leads XLA's for this float32 call on Hopper: causal with
     a window of at most 512 keys and nothing else. On an H200 it ran 1.68x XLA's at 256 keys and
-    1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64); XLA led 1.26x at 1024 keys, and
-    1.40x without the causal mask at 256 keys a side (4x4096x16x128; results/decode_NVIDIA_H200_
-    20261130-030202.json, -031308.json to -031912.json)."""
+    1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64), 1.74x at 512 (1x16384x16x64); XLA
+    led 1.26x at 1024 keys, and 1.40x without the causal mask at 256 keys a side (4x4096x16x128;
+    results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to -032516.json)."""
     spec = shape.spec
     if spec.window is None or spec.features != {"causal", "sliding_window"}:
         return False
