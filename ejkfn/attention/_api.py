@@ -475,6 +475,10 @@ _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
 _NARROW_WINDOW = 1024
+# Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
+# for its forward+backward (causal), to lead XLA's (measured apart from _NARROW_WINDOW's rule).
+_FLOAT32_TRITON_INFERS_KEYS = 1024
+_FLOAT32_TRITON_TRAINS_KEYS = 512
 
 
 def _feature_backends(
@@ -533,7 +537,8 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
     if spec.window is None or not spec.features <= {"causal", "sliding_window"}:
         return False
     left, right = spec.window
-    return shape.head_dim <= 128 and left + (0 if spec.causal else right) <= 1024
+    seen = left + (0 if spec.causal else right)
+    return shape.head_dim <= 128 and seen <= _FLOAT32_TRITON_INFERS_KEYS
 
 
 def _float32_triton_trains(shape: AttentionShape) -> bool:
@@ -545,7 +550,8 @@ def _float32_triton_trains(shape: AttentionShape) -> bool:
     spec = shape.spec
     if spec.window is None or spec.features != {"causal", "sliding_window"}:
         return False
-    return shape.head_dim <= 128 and spec.window[0] <= 512 and _is_hopper()
+    narrow = spec.window[0] <= _FLOAT32_TRITON_TRAINS_KEYS
+    return shape.head_dim <= 128 and narrow and _is_hopper()
 
 
 def _float32_cfg(
