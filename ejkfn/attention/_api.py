@@ -524,14 +524,17 @@ def _float32_pallas_first(shape: AttentionShape) -> bool:
 
 
 def _float32_triton_infers(shape: AttentionShape) -> bool:
-    """Whether Triton's forward leads XLA's for this float32 call on Hopper. On an H200 it ran
-    1.19-1.49x XLA's dense forward and 1.13-1.54x the chunked one (on its heuristic's tiles)
-    causal at head dim 64 (16x1024x16, 8x2048x32, 4x4096x16, 2x8192x16; results/decode_NVIDIA_
-    H200_20261130-004133.json, -005716.json). With a sliding window it leads while each query
-    sees at most 1024 keys: 1.16-2.71x XLA's fastest tile at 256-1024 keys (causal at head dims
-    64 and 128, not causal at 128), 0.70-0.99x at 2048-4096 (-025847.json to -030830.json); 2.23x
-    its heuristic's at 8x2048x32x64 with 128 keys a side (-032612.json)."""
+    """Whether Triton's forward leads XLA's for this float32 call on Hopper (not decoding, which
+    was measured apart). On an H200 it ran 1.19-1.49x XLA's dense forward and 1.13-1.54x the
+    chunked one (on its heuristic's tiles) causal at head dim 64 (16x1024x16, 8x2048x32,
+    4x4096x16, 2x8192x16; results/decode_NVIDIA_H200_20261130-004133.json, -005716.json). With a
+    sliding window it leads while each query sees at most 1024 keys: 1.16-2.71x XLA's fastest
+    tile at 256-1024 keys (causal at head dims 64 and 128, not causal at 128), 0.70-0.99x at
+    2048-4096 (-025847.json to -030830.json); 2.23x its heuristic's at 8x2048x32x64 with 128 keys
+    a side (-032612.json)."""
     spec = shape.spec
+    if _backend.decoding_rows(shape) is not None:
+        return False
     if spec.features == {"causal"}:
         return shape.head_dim <= 64
     if spec.window is None or not spec.features <= {"causal", "sliding_window"}:
@@ -543,15 +546,16 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
 
 def _float32_triton_trains(shape: AttentionShape) -> bool:
     """Whether Triton's forward+backward leads XLA's for this float32 call on Hopper: causal with
-    a window of at most 512 keys and nothing else. On an H200 it ran 1.68x XLA's at 256 keys and
-    1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64), 1.74x at 512 (1x16384x16x64); XLA
-    led 1.26x at 1024 keys, and 1.40x without the causal mask at 256 keys a side (4x4096x16x128;
-    results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to -032516.json)."""
+    a window of at most 512 keys and nothing else, not decoding. On an H200 it ran 1.68x XLA's at
+    256 keys and 1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64), 1.74x at 512
+    (1x16384x16x64); XLA led 1.26x at 1024 keys, and 1.40x without the causal mask at 256 keys a
+    side (4x4096x16x128; results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to
+    -032516.json)."""
     spec = shape.spec
     if spec.window is None or spec.features != {"causal", "sliding_window"}:
         return False
     narrow = spec.window[0] <= _FLOAT32_TRITON_TRAINS_KEYS
-    return shape.head_dim <= 128 and narrow and _is_hopper()
+    return shape.head_dim <= 128 and narrow and _backend.decoding_rows(shape) is None
 
 
 def _float32_cfg(
@@ -566,7 +570,7 @@ def _float32_cfg(
     1.26x with a causal window of 1024 keys at 2x8192x8x128 (-030202.json). None elsewhere."""
     if training.platform != "xla" or shape.dtype != "float32" or not _is_hopper():
         return None
-    if not _float32_triton_infers(shape) or _backend.decoding_rows(shape) is not None:
+    if not _float32_triton_infers(shape):
         return None
     triton = backend_for(*_TRITON)
     params = triton.heuristic(shape)
@@ -846,7 +850,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         kind = device_kind()
         order = list(_AUTO_ORDER.get(kind, ()))
         if shape.dtype == "float32":
-            if _float32_triton_trains(shape) and _backend.decoding_rows(shape) is None:
+            if _float32_triton_trains(shape) and _is_hopper():
                 table = _AUTO_ORDER_FLOAT32_TRITON
             elif _float32_pallas_first(shape):
                 table = _AUTO_ORDER_FLOAT32_PALLAS

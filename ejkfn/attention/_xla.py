@@ -522,11 +522,10 @@ def _gpu_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, 
     of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer hidden
     scores; with a window keys as many as its wider side (512-2048) by half as many queries.
     Halved until the tiles of all batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
-    if shape.spec.window is not None:
-        bk = min(2048, max(512, _pow2_at_least(max(shape.spec.window))))
-        bq = bk // 2
-    elif shape.spec.causal:
-        bk = min(2048, max(512, _pow2_at_least(shape.seq_k // 8)))
+    spec = shape.spec
+    if spec.window is not None or spec.causal:
+        span = max(spec.window) if spec.window is not None else shape.seq_k // 8
+        bk = min(2048, max(512, _pow2_at_least(span)))
         bq = bk // 2
     else:
         bq, bk = unmasked
@@ -543,9 +542,9 @@ def _chunked_heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     256 x 512 at 1x16384 causal, and 128 x 2048 1.23x 128 x 512 at 8x2048x32x64 (-010153.json,
     -010531.json). With a window the tile that led followed its width: 256 x 512 at 256 keys a
     side, 512 x 1024 at 1024 (1.07x 256 x 512 forward at 2x8192x8x128 causal and 4x4096x16x128,
-    1.57x at 2x8192x16x64 causal; 1.09x forward+backward), 1024 x 2048 at 4096 (1.45x; -025847.json
-    to -030830.json). Elsewhere at most 256 x 512 and ``_SHORT_TILE_LIMIT`` scores: on a CPU the long
-    tiles ran 2.1-2.5x slower without a mask and 1.2-1.4x causal (1x8192x8x64)."""
+    1.57x at 2x8192x16x64 causal; 1.09x forward+backward), 1024 x 2048 at 4096 (1.45x;
+    -025847.json to -030830.json). Elsewhere at most 256 x 512 and ``_SHORT_TILE_LIMIT`` scores:
+    on a CPU the long tiles ran 2.1-2.5x slower without a mask and 1.2-1.4x causal (1x8192x8x64)."""
     if device_kind() == "gpu":
         fwd_q, fwd_k = _gpu_blocks(shape, (1024, 4096))
         bwd_q, bwd_k = _gpu_blocks(shape, (1024, 2048))
