@@ -280,6 +280,20 @@ CHECKS = [
     ("bf16 q2048 k1024 causal (empty rows)", dict(seq_k=1024, causal=True)),
     ("bf16 window (256,0) causal", dict(window=(256, 0), causal=True)),
     ("bf16 window (128,128) GQA", dict(window=(128, 128), kv_heads=4)),
+    # windows whose edges fall inside blocks, with whole blocks between them
+    ("bf16 window (1000,0) causal D64", dict(window=(1000, 0), causal=True, dim=64)),
+    ("bf16 window (700,300) S1000/1536", dict(window=(700, 300), seq_q=1000, seq_k=1536)),
+    (
+        "bf16 window (600,0) causal GQA 8/2 D256",
+        dict(window=(600, 0), causal=True, kv_heads=2, dim=256),
+    ),
+    (
+        "bf16 window (500,500) segments dropout",
+        dict(window=(500, 500), segments=True, dropout=0.1),
+    ),
+    ("bf16 window (400,0) causal bias + dbias", dict(window=(400, 0), causal=True, bias=(1, 8))),
+    ("f32 window (300,0) causal", dict(dtype=jnp.float32, window=(300, 0), causal=True)),
+    ("f32 window (512,512) D64", dict(dtype=jnp.float32, window=(512, 512), dim=64)),
     ("bf16 bias [1,H] causal + dbias", dict(bias=(1, 8), causal=True)),
     ("bf16 segments + mask", dict(segments=True, mask=True)),
     ("bf16 soft cap 30 causal", dict(soft_cap=30.0, causal=True)),

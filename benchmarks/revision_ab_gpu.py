@@ -9,8 +9,13 @@ and backward), are checked against JAX's Pallas ``mha`` and timed interleaved wi
 and saves the rows under ``--out``. ``--band-mib`` adds this tree's kernels with other L2 budgets
 for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 
+``--window N`` gives every call a sliding window of ``N`` keys on either side, which ``mha`` does not
+take: the first folder's kernels are then the check and the ratio's denominator instead. ``--dtype``
+sets q, k and v's dtype.
+
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
-        [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--out DIR]
+        [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]
+        [--dtype float32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,11 +59,18 @@ def previous_modules(folder: Path, tag: str) -> dict[str, ModuleType]:
     return {"triton": triton, "pallas": pallas}
 
 
-def direct(module: ModuleType, case: Case) -> Any:
-    """``(q, k, v) -> out`` through ``module``'s fwd and bwd with its heuristic config."""
-    spec = AttentionSpec(scale=case.dim**-0.5, causal=case.causal)
-    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), "bfloat16")
-    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), "bfloat16")
+def direct(
+    module: ModuleType, case: Case, window: int | None = None, dtype: str = "bfloat16"
+) -> Any:
+    """``(q, k, v) -> out`` through ``module``'s fwd and bwd with its heuristic config (``window``:
+    that many keys on either side of each query)."""
+    spec = AttentionSpec(
+        scale=case.dim**-0.5,
+        causal=case.causal,
+        window=None if window is None else (window, window),
+    )
+    q = jax.ShapeDtypeStruct((case.batch, case.seq, case.heads, case.dim), dtype)
+    k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), dtype)
     fp, bp = module.heuristic(AttentionShape.of(q, k, spec))
     none = (None,) * 5  # bias, mask, q_seg, kv_seg, seed
 
@@ -104,10 +116,14 @@ def main() -> int:
     parser.add_argument("--masks", choices=tuple(MASKS), default="both")
     parser.add_argument("--passes", default="fwd,bwd")
     parser.add_argument("--band-mib", default="", help="comma-separated L2 budgets to add (MiB)")
+    parser.add_argument("--window", type=int, default=None, help="keys on either side")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
+    if args.window is not None and args.window < 0:
+        parser.error(f"--window must be >= 0 keys; got {args.window}")
     folders = [Path(f) for f in args.previous.split(",")]
     tags = [f.name.strip("_") or "previous" for f in folders]
     if len(set(tags)) != len(tags):
@@ -119,6 +135,8 @@ def main() -> int:
         if name in args.backends.split(",")
     }
     budgets = [int(m) for m in args.band_mib.split(",") if m]
+    # mha takes no window: the first folder's kernels check the others then
+    baseline = "mha" if args.window is None else f"{next(iter(current))} {tags[0]}"
     cases = [
         Case(b, s, h, kvh, d, causal)
         for b, s, h, kvh, d in parse_shapes(args.shapes)
@@ -127,13 +145,13 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:
-        sets = [inputs(case, seed) for seed in (0, 1)]
+        sets = [inputs(case, seed, args.dtype) for seed in (0, 1)]
         for backward in [p == "bwd" for p in args.passes.split(",")]:
-            fns = {"mha": mha(case)}
+            fns = {"mha": mha(case)} if args.window is None else {}
             for name in current:
                 for tag, modules in previous.items():
-                    fns[f"{name} {tag}"] = direct(modules[name], case)
-                fns[f"{name} now"] = direct(current[name], case)
+                    fns[f"{name} {tag}"] = direct(modules[name], case, args.window, args.dtype)
+                fns[f"{name} now"] = direct(current[name], case, args.window, args.dtype)
             passes = {n: fwd_bwd(f) if backward else f for n, f in fns.items()}
             for mib in budgets:
                 for name in current:
@@ -141,7 +159,7 @@ def main() -> int:
                     passes[f"{name} now, bands {mib} MiB"] = with_band_bytes(now, mib << 20)
             jitted = {n: jax.jit(f) for n, f in passes.items()}
             done = check_then_time(
-                case, backward, jitted, "mha", sets, args.calls, args.rounds, max_error=2e-2
+                case, backward, jitted, baseline, sets, args.calls, args.rounds, max_error=2e-2
             )
             by_impl = {r["impl"]: r for r in done}
             for name in current:  # each revision against the first folder's
@@ -151,12 +169,14 @@ def main() -> int:
                         row["vs_previous"] = before.get("ms", float("nan")) / row["ms"]
             rows += done
             print(f"{case.name} {'fwd+bwd' if backward else 'fwd'} ({time.time() - t0:.0f} s)")
-    print(f"\n| case | pass | impl | TFLOP/s | vs mha | vs {tags[0]} |\n|{'---|' * 6}")
+    window = "" if args.window is None else f", window {args.window}"
+    print(f"\n{args.dtype}{window}\n| case | pass | impl | ms | vs {baseline} | vs {tags[0]} |")
+    print(f"|{'---|' * 6}")
     for r in rows:
         if "ms" in r:
             print(
-                f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['tflops']:.0f} |"
-                f" {r.get('vs_mha', 1.0):.2f} | {r.get('vs_previous', float('nan')):.3f} |"
+                f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['ms']:.3f} |"
+                f" {r.get('vs_' + baseline, 1.0):.2f} | {r.get('vs_previous', float('nan')):.3f} |"
             )
         else:
             print(f"| {r['case']} | {r['pass_']} | {r['impl']} | not timed: {r} |")

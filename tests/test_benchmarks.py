@@ -501,6 +501,19 @@ def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
         got = jax.jit(fwd_bwd(direct(earlier[name], case)))(*x)
         for g, w in zip(got, want, strict=True):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # --window reaches the kernels: the copy agrees with this tree, and not with the call without it
+    x32 = inputs(case, 0, "float32")[:3]
+    windowed = jax.jit(direct(_triton, case, window=8, dtype="float32"))(*x32)
+    np.testing.assert_array_equal(
+        jax.jit(direct(earlier["triton"], case, window=8, dtype="float32"))(*x32), windowed
+    )
+    unlimited = jax.jit(direct(_triton, case, dtype="float32"))(*x32)
+    assert windowed.dtype == np.float32 and not np.allclose(windowed, unlimited, atol=1e-3)
+
+    script = str(ROOT / "benchmarks" / "revision_ab_gpu.py")
+    argv = [sys.executable, script, "--previous", str(folder), "--window", "-4"]
+    refused = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "--window must be >= 0 keys; got -4" in refused.stderr
 
     seen = []
     with_band_bytes(lambda: seen.append(_backend.BAND_BYTES), 3 << 20)()
