@@ -249,7 +249,7 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         HAS_SEG=has_seg,
         DROP_THRESH=threshold(spec.dropout_prob) if spec.dropout_prob > 0.0 else 0,
         DROP_SCALE=keep_scale(spec.dropout_prob),
-        SPLIT=spec.window is None and not has_mask and not has_seg,
+        SPLIT=not has_mask and not has_seg,
         DOT_PRECISION="ieee" if np.dtype(q.dtype) == np.float32 else "tf32",
     )  # fmt: skip
     return _Call(

@@ -218,9 +218,10 @@ def _kv_blocks(
     SPLIT: tl.constexpr,
     ROW_GROUP: tl.constexpr = 1,
 ):
-    """Key range ``[lo, hi)`` a q block starting at ``m0`` may see, and where its fully visible
-    blocks end (``full``: blocks in ``[lo, full)`` need no mask; meaningful only with ``SPLIT``).
-    Row ``r`` is query ``r // ROW_GROUP``."""
+    """Key range ``[lo, hi)`` a q block starting at ``m0`` may see, and its fully visible blocks
+    ``[full_lo, full_hi)``, which need no mask: the blocks before them (a window's left edge) and
+    after them (the causal diagonal, a window's right edge, a ragged end) do. Without ``SPLIT``
+    every block is masked (``full_lo == full_hi == lo``). Row ``r`` is query ``r // ROW_GROUP``."""
     shift = SEQ_K - SEQ_Q // ROW_GROUP
     first = m0 // ROW_GROUP  # the block's first and one past its last query
     end = (m0 + BLOCK_Q - 1) // ROW_GROUP + 1
@@ -232,24 +233,36 @@ def _kv_blocks(
         hi = tl.minimum(hi, end + (shift + WINDOW_RIGHT))
     if WINDOW_LEFT >= 0:
         lo = tl.maximum(first + (shift - WINDOW_LEFT), 0) // BLOCK_K * BLOCK_K
-    full = lo
+    full_lo = lo
+    full_hi = lo
     if SPLIT:
-        full = m0 * 0 + (SEQ_K // BLOCK_K) * BLOCK_K
+        # a block is whole where the first query sees its last key and the last query its first
+        full_hi = m0 * 0 + (SEQ_K // BLOCK_K) * BLOCK_K
         if CAUSAL:
-            full = tl.minimum(full, tl.maximum(first + (shift + 1), 0) // BLOCK_K * BLOCK_K)
-    return lo, hi, full
+            full_hi = tl.minimum(full_hi, tl.maximum(first + (shift + 1), 0) // BLOCK_K * BLOCK_K)
+        if WINDOW_RIGHT >= 0:
+            seen = tl.maximum(first + (shift + WINDOW_RIGHT + 1), 0)
+            full_hi = tl.minimum(full_hi, seen // BLOCK_K * BLOCK_K)
+        if WINDOW_LEFT >= 0:
+            unseen = tl.maximum(end + (shift - 1 - WINDOW_LEFT), 0)
+            full_lo = (unseen + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+        if WINDOW_LEFT >= 0 or WINDOW_RIGHT >= 0:  # a window's edges may leave no whole block
+            full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+            full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
 @no_type_check
-def _split_run(lo, hi, full, split, KV_SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
+def _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS: tl.constexpr, BLOCK_K: tl.constexpr):
     """Run ``split`` of ``KV_SPLITS`` runs of whole key blocks of ``[lo, hi)``, as ``(lo, hi,
-    full)``: ``lo`` stays a multiple of ``BLOCK_K``, and a run past ``hi`` is empty."""
+    full_lo, full_hi)``: ``lo`` stays a multiple of ``BLOCK_K``, and a run past ``hi`` is empty."""
     n_blocks = (tl.maximum(hi - lo, 0) + BLOCK_K - 1) // BLOCK_K
     run = (n_blocks + KV_SPLITS - 1) // KV_SPLITS * BLOCK_K
     lo = lo + split * run
     hi = tl.minimum(hi, lo + run)
-    return lo, hi, tl.minimum(tl.maximum(full, lo), hi)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    return lo, hi, full_lo, tl.minimum(tl.maximum(full_hi, full_lo), hi)
 
 
 @triton.jit
@@ -265,8 +278,10 @@ def _q_blocks(
     WINDOW_RIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Query range ``[lo, hi)`` that may see the key block starting at ``n0``; with ``SPLIT``,
-    q blocks from ``full`` on see the whole key block (need no mask)."""
+    """Query range ``[lo, hi)`` that may see the key block starting at ``n0``, and the q blocks
+    ``[full_lo, full_hi)`` that see all of it (need no mask): those before them (the causal
+    diagonal, a window's right edge) and after them (a window's left edge) do. Without ``SPLIT``
+    every block is masked (``full_lo == full_hi == hi``)."""
     shift = SEQ_K - SEQ_Q
     lo = n0 * 0
     hi = n0 * 0 + SEQ_Q
@@ -276,13 +291,22 @@ def _q_blocks(
         lo = tl.maximum(lo, tl.maximum(n0 - (shift + WINDOW_RIGHT), 0) // BLOCK_Q * BLOCK_Q)
     if WINDOW_LEFT >= 0:
         hi = tl.minimum(hi, n0 + (BLOCK_K + WINDOW_LEFT - shift))
-    full = hi
+    full_lo = hi
+    full_hi = hi
     if SPLIT:
-        full = lo
+        # a q block is whole where its first query sees the last key and its last query the first
+        full_lo = lo
         if CAUSAL:
             first = tl.maximum(n0 + (BLOCK_K - 1 - shift), 0)
-            full = tl.minimum(tl.maximum(lo, (first + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q), hi)
-    return lo, hi, full
+            full_lo = tl.maximum(full_lo, (first + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q)
+        if WINDOW_RIGHT >= 0:
+            first = tl.maximum(n0 + (BLOCK_K - 1 - shift - WINDOW_RIGHT), 0)
+            full_lo = tl.maximum(full_lo, (first + BLOCK_Q - 1) // BLOCK_Q * BLOCK_Q)
+        full_lo = tl.minimum(full_lo, hi)
+        if WINDOW_LEFT >= 0:  # the window's edges may leave no whole block
+            seen = tl.maximum(n0 + (WINDOW_LEFT + 1 - shift), 0)
+            full_hi = tl.minimum(tl.maximum(seen // BLOCK_Q * BLOCK_Q, full_lo), hi)
+    return lo, hi, full_lo, full_hi
 
 
 @triton.jit
@@ -468,43 +492,62 @@ def fwd_kernel(
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    lo, hi, full = _kv_blocks(
+    lo, hi, full_lo, full_hi = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT, ROW_GROUP
     )
-    if HAS_SEG:  # every block is masked (no SPLIT): full is lo
+    if HAS_SEG:  # every block is masked (no SPLIT)
         lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
-        full = lo
+        full_lo = lo
+        full_hi = lo
     if KV_SPLITS > 1:  # flash decoding: this program takes one of KV_SPLITS runs of whole blocks
         split = tl.program_id(1)
         Out += split.to(tl.int64) * SOX  # and writes partial result ``split``
         Lse += split.to(tl.int64) * SLX
-        lo, hi, full = _split_run(lo, hi, full, split, KV_SPLITS, BLOCK_K)
+        lo, hi, full_lo, full_hi = _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS, BLOCK_K)
     # Where q and key blocks differ in size (128 x 64, 64 x 128), the masked blocks (the causal
     # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
     # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,
     # and the interior first ran 2% faster at 4x4096x16x128 causal (NOTES.md, 43rd round).
+    # A window's left edge is a masked loop of its own, compiled only where it can hold blocks.
     MASKED_FIRST: tl.constexpr = BLOCK_Q != BLOCK_K
+    LEFT_EDGE: tl.constexpr = SPLIT and WINDOW_LEFT >= 0
     if MASKED_FIRST:
+        if LEFT_EDGE:
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+                kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+                SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+                HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
+                BLOCK_D,
+            )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if SPLIT:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_lo, full_hi, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     if not MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
         )  # fmt: skip
+        if LEFT_EDGE:
+            acc, l_i, m_i = _fwd_inner(
+                acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+                kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+                SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+                HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
+                BLOCK_D,
+            )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -541,6 +584,8 @@ def _dkdv_inner(
     drop_key,
     start,
     stop,
+    gap_at,
+    gap,
     MASKED: tl.constexpr,
     HEADS: tl.constexpr,
     SEQ_Q: tl.constexpr,
@@ -565,11 +610,15 @@ def _dkdv_inner(
     DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     # Works on transposed tiles ([keys, queries]) so that dv += p^T dout and dk += ds^T q need no
-    # transposes of the large operands.
+    # transposes of the large operands. With ``GAP`` the q blocks from ``gap_at`` on lie ``gap``
+    # rows further on (the loop steps over the unmasked blocks between a window's two edges).
     offs_d = tl.arange(0, BLOCK_D)
     for m0 in range(start, stop, BLOCK_Q):
+        if GAP:
+            m0 = tl.where(m0 >= gap_at, m0 + gap, m0)
         rows = m0 + tl.arange(0, BLOCK_Q)
         q_mask = (rows[:, None] < SEQ_Q) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_base + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0)
@@ -680,12 +729,14 @@ def bwd_dkdv_kernel(
     kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    lo, hi, full = _q_blocks(
+    lo, hi, full_lo, full_hi = _q_blocks(
         n0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
-    if HAS_SEG:  # every block is masked (no SPLIT): full is hi
+    if HAS_SEG:  # every block is masked (no SPLIT)
         lo, hi = _segment_span(kvseg_base + SEQ_K, cols, lo, hi, SEQ_K, SEQ_Q, BLOCK_Q)
-        full = hi
+        full_lo = hi
+        full_hi = hi
+    gap = full_hi - full_lo  # the unmasked q blocks, which the masked loop steps over
     for g in range(GROUP):
         h = kvh * GROUP + g
         bh64 = b64 * HEADS + h
@@ -701,17 +752,21 @@ def bwd_dkdv_kernel(
         if SPLIT:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full, hi, False, HEADS,
-                SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
-                WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
-                DOT_PRECISION, BLOCK_Q, BLOCK_D,
+                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full_lo, full_lo + gap, hi, 0,
+                False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE,
+                SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG,
+                DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, False,
             )  # fmt: skip
+        # The masked ones in one loop: [lo, full_lo) (the diagonal, a window's right edge), then
+        # [full_hi, hi) (a window's left edge). A loop of its own for the second made ptxas spill
+        # 128-156 bytes at head dim 128 (benchmarks/triton_sass.py; NOTES.md, sixty-first round).
         dk, dv = _dkdv_inner(
             dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-            mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, full, True, HEADS, SEQ_Q,
-            SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
-            WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
-            DOT_PRECISION, BLOCK_Q, BLOCK_D,
+            mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
+            True, HEADS, SEQ_Q, SEQ_K,
+            HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
+            BLOCK_Q, BLOCK_D, SPLIT and WINDOW_LEFT >= 0,
         )  # fmt: skip
     if DROP_SCALE != 1.0:  # dropout on
         dv = dv * DROP_SCALE
@@ -899,28 +954,36 @@ def bwd_dq_kernel(
     kvseg_base = KVSeg + b64 * (3 * SEQ_K)
     drop_key = _seed_key(Seed)
     dq = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    lo, hi, full = _kv_blocks(
+    lo, hi, full_lo, full_hi = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
     )
-    if HAS_SEG:  # every block is masked (no SPLIT): full is lo
+    if HAS_SEG:  # every block is masked (no SPLIT)
         lo, hi = _segment_span(qseg_base + SEQ_Q, rows, lo, hi, SEQ_Q, SEQ_K, BLOCK_K)
-        full = lo
+        full_lo = lo
+        full_hi = lo
     if KV_SPLITS > 1:  # partial dQ ``split``, over one run of whole key blocks
         DQ += split.to(tl.int64) * SDX
-        lo, hi, full = _split_run(lo, hi, full, split, KV_SPLITS, BLOCK_K)
+        lo, hi, full_lo, full_hi = _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS, BLOCK_K)
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, lo, full, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-            SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-            HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_lo, full_hi, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-        kvseg_base, drop_key, full, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM, SBN,
-        SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
+        kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM,
+        SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
         HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
     )  # fmt: skip
+    if SPLIT and WINDOW_LEFT >= 0:  # the window's left edge: the first key blocks
+        dq = _dq_inner(
+            dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+            kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
+            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
+            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        )  # fmt: skip
     dq = dq * SCALE
     dq_ptrs = DQ + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
