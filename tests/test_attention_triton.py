@@ -37,6 +37,17 @@ from ejkfn.attention._spec import AttentionSpec
 from ._segments import segment_ids
 from ._subprocess import ROOT, child_env
 
+SPLITS_WINDOW = tri.splits_window  # the rule itself, before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True)
+def _every_window_splits(monkeypatch):
+    """Every window's interior blocks run unmasked here, however narrow and in float32 too, so
+    that the small cases test the split loops; :func:`test_windows_masked_throughout` runs the
+    narrow windows' path, and :func:`test_only_wide_16_bit_windows_split` the rule."""
+    monkeypatch.setattr(tri, "splits_window", lambda spec, dtype, pass_: True)
+
+
 # Small blocks so that short sequences still cross several blocks (and the causal diagonal).
 FP = FwdParams(q_blocksize=32, kv_blocksize=32)
 BP = BwdParams(q_blocksize=16, kv_blocksize=32)
@@ -292,6 +303,49 @@ def test_forward_blocks_of_two_sizes(feature, blocks):
     kw = dict(FEATURES[feature])
     args, dout, spec = _case(f"blocks-{feature}-{blocks}", **kw)
     _check(args, dout, spec, fp=FwdParams(q_blocksize=blocks[0], kv_blocksize=blocks[1]))
+
+
+@pytest.mark.parametrize(
+    "feature", ["window", "window_causal", "window_wide", "window_wide_causal_gqa"]
+)
+def test_windows_masked_throughout(feature, monkeypatch):
+    """The path of windows too narrow to split: every block masked, the diagonal too."""
+    monkeypatch.setattr(tri, "splits_window", lambda spec, dtype, pass_: False)
+    args, dout, spec = _case(f"masked-{feature}", **FEATURES[feature])
+    _check(args, dout, spec)
+
+
+def test_only_wide_16_bit_windows_split(monkeypatch):
+    """A window's interior runs unmasked from 1024 keys seen in the forward, 512 in the backward
+    (one side when causal, both when not), never in float32 nor with a mask; and the kernels get
+    what the rule says."""
+    monkeypatch.setattr(tri, "splits_window", SPLITS_WINDOW)
+
+    def split(window, causal, dtype="bfloat16"):
+        spec = AttentionSpec(scale=1.0, causal=causal, window=window)
+        return tuple(SPLITS_WINDOW(spec, dtype, p) for p in ("fwd", "bwd"))
+
+    assert split(None, True, "float32") == (True, True)
+    assert split((511, 4096), True) == (False, False)
+    assert split((512, 0), True) == (False, True)
+    assert split((1023, 0), True, "float16") == (False, True)
+    assert split((1024, 0), True) == (True, True)
+    assert split((256, 255), False) == (False, False)
+    assert split((256, 256), False) == (False, True)
+    assert split((0, 1024), False) == (True, True)
+    assert split((4096, 4096), False, "float32") == (False, False)
+
+    q = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
+    mask = jnp.ones((1, 1, 64, 64), bool)
+    for window, mask_, pass_, want in [
+        ((1024, 0), None, "fwd", True),
+        ((600, 0), None, "fwd", False),
+        ((600, 0), None, "bwd", True),
+        ((600, 0), mask, "bwd", False),
+    ]:
+        spec = AttentionSpec(scale=1.0, causal=True, window=window, has_mask=mask_ is not None)
+        call = tri._prepare(q, q, q, None, mask_, None, None, None, spec, pass_)
+        assert call.meta["SPLIT"] is want, (window, pass_)
 
 
 _RANGE_FIELDS = 4  # lo, hi, full_lo, full_hi

@@ -193,7 +193,26 @@ class _Call:
         return jax.ShapeDtypeStruct((self.batch, self.heads, self.seq_q), jnp.float32)
 
 
-def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _Call:
+# Keys a window must span (left + right; the left side alone when causal) before the whole blocks
+# between its edges run unmasked, by pass. Narrower, the extra loops cost more than the masks: on
+# an H200 in bf16 the split ran 0.75-0.93x the all-masked forward at 128-512 keys, 1.05-1.61x at
+# 1024-2048, and forward+backward 0.87-0.98x at 128-256, 1.03-1.08x at 512 (NOTES.md, sixty-second
+# round). Float32 never splits: its FFMA loop masks for little, and splitting made dK/dV spill.
+WINDOW_SPLIT_KEYS = {"fwd": 1024, "bwd": 512}
+
+
+def splits_window(spec: AttentionSpec, dtype: Any, pass_: str) -> bool:
+    """Whether ``pass_`` ("fwd", "bwd") runs a window's interior blocks unmasked
+    (:data:`WINDOW_SPLIT_KEYS`); True without a window."""
+    if spec.window is None:
+        return True
+    if np.dtype(dtype) == np.float32:
+        return False
+    left, right = spec.window
+    return left + (0 if spec.causal else right) >= WINDOW_SPLIT_KEYS[pass_]
+
+
+def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec, pass_: str) -> _Call:
     _check(q, k, v)
     batch, seq_q, heads, head_dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
@@ -249,7 +268,7 @@ def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec) -> _
         HAS_SEG=has_seg,
         DROP_THRESH=threshold(spec.dropout_prob) if spec.dropout_prob > 0.0 else 0,
         DROP_SCALE=keep_scale(spec.dropout_prob),
-        SPLIT=not has_mask and not has_seg,
+        SPLIT=not has_mask and not has_seg and splits_window(spec, q.dtype, pass_),
         DOT_PRECISION="ieee" if np.dtype(q.dtype) == np.float32 else "tf32",
     )  # fmt: skip
     return _Call(
@@ -329,7 +348,7 @@ def unfold_group_lse(lse: jax.Array, group: int) -> jax.Array:
 
 
 def _fwd(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, params, interpret, row_group=1):
-    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
+    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, "fwd")
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
     splits = min(params.kv_splits, _cdiv(call.seq_k, block_k))  # at least a block each
@@ -394,7 +413,7 @@ def bwd(
     """Attention backward: ``(dq, dk, dv, dbias)``; dbias is None without a bias, else shaped like
     it (summed over its broadcast dimensions). Static arguments as in :func:`fwd`."""
     interpret = default_interpret(interpret)
-    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec)
+    call = _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec, "bwd")
     block_q = _clamp_block(params.q_blocksize, call.seq_q, "q_blocksize")
     block_k = _clamp_block(params.kv_blocksize, call.seq_k, "kv_blocksize")
     dq_run = dq_launch(params)
