@@ -701,7 +701,7 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    window = heuristic(small, sliding_window=64)  # Mosaic takes no window (see the next test)
+    window = heuristic(small, sliding_window=1024)  # Mosaic takes no window (see the next test)
     assert (window.platform, window.variant, window.inference.platform) == (
         "pallas",
         "triton",
@@ -737,7 +737,8 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (128, False, "dropout", _TRI, _TRI),
         (64, False, "segments", _TRI, _PT),
         (128, False, "segments", _TRI, _TRI),
-        (64, True, "window", _PT, _CUDNN),
+        (64, True, "window", _PT, _PT),
+        (64, True, "window_1024", _PT, _CUDNN),  # Pallas-Triton infers up to 768 keys
         (64, True, "wide_window", _CUDNN, _CUDNN),  # the default order
         (128, True, "window", _CUDNN, _CUDNN),  # the default order
     ],
@@ -784,6 +785,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "bias_f32": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32)),
         "dropout": dict(dropout_prob=0.1, dropout_seed=jax.ShapeDtypeStruct((), jnp.uint32)),
         "window": dict(sliding_window=64),
+        "window_1024": dict(sliding_window=(1024, 0)),
         "wide_window": dict(sliding_window=(2048, 0)),
     }
     options = {k: v for name in feature.split("+") for k, v in arrays[name].items()}

@@ -466,15 +466,20 @@ def _hopper_cfg(
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window at D = 64 that spans at most _NARROW_WINDOW keys besides the diagonal: Pallas-Triton
 #   to train (its 64 x 64 backward; cuDNN 0.82-0.92x 512 keys wide at 8x2048x32, with and without
-#   GQA, and 2x8192x32, 0.98x 1024 wide there), cuDNN to infer where it can. 2048 keys wide cuDNN
-#   trained faster (Pallas-Triton 0.97-0.98x at 2x8192x32, with and without GQA), and above D = 64
-#   (cuDNN 0.97-1.00x): the default order.
+#   GQA, and 2x8192x32, 0.98x 1024 wide there); to infer, Pallas-Triton up to
+#   _PALLAS_TRITON_INFERS_WINDOW keys (cuDNN 0.88-0.90x 256 wide, 0.91-0.97x 512 wide with and
+#   without GQA, 0.97-1.00x 768 wide, where Pallas-Triton read 0.99-1.00x; 8x2048x32 and
+#   2x8192x32, sixty-second round), cuDNN wider (Pallas-Triton 0.94x 1024 wide at 8x2048x32).
+#   2048 keys wide cuDNN trained faster (Pallas-Triton 0.97-0.98x at 2x8192x32, with and without
+#   GQA), and above D = 64 (cuDNN 0.97-1.00x; Triton and Pallas-Triton 0.84-0.89x at 4x4096x16x128
+#   1024 and 2048 wide, sixty-second round): the default order.
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
 _NARROW_WINDOW = 1024
+_PALLAS_TRITON_INFERS_WINDOW = 768
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
 # for its forward+backward (causal), to lead XLA's (measured apart from _NARROW_WINDOW's rule).
 _FLOAT32_TRITON_INFERS_KEYS = 1024
@@ -505,8 +510,11 @@ def _feature_backends(
         return _TRITON, _TRITON
     if spec.window is not None and not wide:
         left, right = spec.window
-        if left + (0 if spec.causal else right) <= _NARROW_WINDOW:
-            return _PALLAS_TRITON, _CUDNN
+        seen = left + (0 if spec.causal else right)
+        if seen <= _NARROW_WINDOW:
+            return _PALLAS_TRITON, (
+                _PALLAS_TRITON if seen <= _PALLAS_TRITON_INFERS_WINDOW else _CUDNN
+            )
     return None
 
 
