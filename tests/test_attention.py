@@ -935,6 +935,9 @@ def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton() -> None:
     [
         ((256, 256), True, 128, "triton", None),  # Triton trained 1.68x XLA
         ((512, 512), True, 64, "triton", None),  # 1.74x at 1x16384x16x64
+        ((768, 0), True, 64, "triton", None),  # 1.10x at 2x8192x16x64
+        ((768, 0), True, 128, "xla", "triton"),  # Triton trained 0.98x XLA
+        ((512, 0), True, 96, "triton", None),  # 1.12x at head dim 128
         ((1024, 1024), True, 128, "xla", "triton"),  # XLA trained 1.26x; Triton inferred 1.36x
         ((1024, 1024), True, 64, "xla", "triton"),
         ((256, 256), False, 128, "xla", "triton"),  # 512 keys seen: XLA trained 1.40x, Triton
@@ -948,8 +951,9 @@ def test_auto_runs_a_float32_call_with_a_narrow_window_on_triton(
     window: tuple[int, int], causal: bool, dim: int, trains: str, infers: str | None
 ) -> None:
     """With a sliding window Triton's float32 forward led XLA's on an H200 while each query saw at
-    most 1024 keys, its forward+backward causal up to 512 keys: ``auto`` trains on XLA first for
-    float32 but on Triton there, and infers on Triton where only its forward led."""
+    most 1024 keys, its forward+backward causal up to 512 keys (768 at head dim 64): ``auto``
+    trains on XLA first for float32 but on Triton there, and infers on Triton where only its
+    forward led."""
     kernel = FlashAttention()
     x = jax.ShapeDtypeStruct((2, 8192, 8, dim), jnp.float32)
     call = ejkfn.Invocation.of(kernel, x, x, x, causal=causal, sliding_window=window)

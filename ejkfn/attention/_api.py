@@ -45,7 +45,7 @@ _AUTO_ORDER = {
 # decoding; 0.74x only at 8x2048x32x64 causal (results/decode_NVIDIA_H200_20261129-224926.json to
 # -231101.json). So XLA goes first, for decoding calls too; causal calls at head dims up to 64
 # and calls with a narrow window infer on Triton (:func:`_float32_cfg`), causal windows of up to
-# 512 keys train there too (:func:`_float32_triton_trains`). Of our kernels, Pallas-Triton's
+# 512 keys (768 at head dims up to 64) train there too (:func:`_float32_triton_trains`). Of our kernels, Pallas-Triton's
 # blocks spill: at 8x2048x32x64 causal it ran forward 0.048x and forward+backward 0.23x Triton
 # (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes next; on both kernels'
 # float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x its
@@ -481,9 +481,10 @@ _CUDNN = ("cudnn", "cudnn")
 _NARROW_WINDOW = 1024
 _PALLAS_TRITON_INFERS_WINDOW = 768
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
-# for its forward+backward (causal), to lead XLA's (measured apart from _NARROW_WINDOW's rule).
+# for its forward+backward (causal; by the widest head dim it was measured at), to lead XLA's
+# (measured apart from _NARROW_WINDOW's rule).
 _FLOAT32_TRITON_INFERS_KEYS = 1024
-_FLOAT32_TRITON_TRAINS_KEYS = 512
+_FLOAT32_TRITON_TRAINS_KEYS = ((64, 768), (128, 512))
 
 
 def _feature_backends(
@@ -554,16 +555,18 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
 
 def _float32_triton_trains(shape: AttentionShape) -> bool:
     """Whether Triton's forward+backward leads XLA's for this float32 call on Hopper: causal with
-    a window of at most 512 keys and nothing else, not decoding. On an H200 it ran 1.68x XLA's at
-    256 keys and 1.12x at 512 (2x8192x8x128), 1.95x at 256 (2x8192x16x64), 1.74x at 512
-    (1x16384x16x64); XLA led 1.26x at 1024 keys, and 1.40x without the causal mask at 256 keys a
-    side (4x4096x16x128; results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to
-    -032516.json)."""
+    a window of at most 512 keys (768 at head dims up to 64) and nothing else, not decoding. On an
+    H200 it ran 1.68x XLA's at 256 keys, 1.12x at 512 and 0.98x at 768 (2x8192x8x128); 1.95x at
+    256 and 1.10x at 768 (2x8192x16x64), 1.74x at 512 (1x16384x16x64); XLA led 1.26x at 1024 keys,
+    and 1.40x without the causal mask at 256 keys a side (4x4096x16x128;
+    results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to -032516.json, -055200.json)."""
     spec = shape.spec
     if spec.window is None or spec.features != {"causal", "sliding_window"}:
         return False
-    narrow = spec.window[0] <= _FLOAT32_TRITON_TRAINS_KEYS
-    return shape.head_dim <= 128 and narrow and _backend.decoding_rows(shape) is None
+    if _backend.decoding_rows(shape) is not None:
+        return False
+    widest = [keys for dim, keys in _FLOAT32_TRITON_TRAINS_KEYS if shape.head_dim <= dim]
+    return bool(widest) and spec.window[0] <= widest[0]
 
 
 def _float32_cfg(
