@@ -481,10 +481,16 @@ _CUDNN = ("cudnn", "cudnn")
 _NARROW_WINDOW = 1024
 _PALLAS_TRITON_INFERS_WINDOW = 768
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
-# for its forward+backward (causal; by the widest head dim it was measured at), to lead XLA's
-# (measured apart from _NARROW_WINDOW's rule).
-_FLOAT32_TRITON_INFERS_KEYS = 1024
+# for its forward+backward (causal), to lead XLA's, as (up to head dim, keys) pairs; none above
+# the last head dim (measured apart from _NARROW_WINDOW's rule).
+_FLOAT32_TRITON_INFERS_KEYS = ((128, 1024), (256, 256))
 _FLOAT32_TRITON_TRAINS_KEYS = ((64, 768), (128, 512))
+
+
+def _window_limit(limits: tuple[tuple[int, int], ...], head_dim: int) -> int:
+    """The keys ``limits`` (``(up to head dim, keys)`` pairs, narrowest first) allow a window at
+    ``head_dim``; -1 above the widest."""
+    return next((keys for dim, keys in limits if head_dim <= dim), -1)
 
 
 def _feature_backends(
@@ -540,7 +546,8 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
     sliding window it leads while each query sees at most 1024 keys: 1.16-2.71x XLA's fastest
     tile at 256-1024 keys (causal at head dims 64 and 128, not causal at 128), 0.70-0.99x at
     2048-4096 (-025847.json to -030830.json); 2.23x its heuristic's at 8x2048x32x64 with 128 keys
-    a side (-032612.json)."""
+    a side (-032612.json). At head dim 256, 1.24x with 256 keys causal (2x4096x8x256, -055451.json;
+    wider not measured)."""
     spec = shape.spec
     if _backend.decoding_rows(shape) is not None:
         return False
@@ -550,7 +557,7 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
         return False
     left, right = spec.window
     seen = left + (0 if spec.causal else right)
-    return shape.head_dim <= 128 and seen <= _FLOAT32_TRITON_INFERS_KEYS
+    return seen <= _window_limit(_FLOAT32_TRITON_INFERS_KEYS, shape.head_dim)
 
 
 def _float32_triton_trains(shape: AttentionShape) -> bool:
@@ -559,14 +566,14 @@ def _float32_triton_trains(shape: AttentionShape) -> bool:
     H200 it ran 1.68x XLA's at 256 keys, 1.12x at 512 and 0.98x at 768 (2x8192x8x128); 1.95x at
     256 and 1.10x at 768 (2x8192x16x64), 1.74x at 512 (1x16384x16x64); XLA led 1.26x at 1024 keys,
     and 1.40x without the causal mask at 256 keys a side (4x4096x16x128;
-    results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to -032516.json, -055200.json)."""
+    results/decode_NVIDIA_H200_20261130-030202.json, -031308.json to -032516.json, -055200.json).
+    At head dim 256 XLA led 1.55x at 256 keys (2x4096x8x256, -055529.json)."""
     spec = shape.spec
     if spec.window is None or spec.features != {"causal", "sliding_window"}:
         return False
     if _backend.decoding_rows(shape) is not None:
         return False
-    widest = [keys for dim, keys in _FLOAT32_TRITON_TRAINS_KEYS if shape.head_dim <= dim]
-    return bool(widest) and spec.window[0] <= widest[0]
+    return spec.window[0] <= _window_limit(_FLOAT32_TRITON_TRAINS_KEYS, shape.head_dim)
 
 
 def _float32_cfg(
