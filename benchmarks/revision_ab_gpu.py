@@ -9,9 +9,9 @@ and backward), are checked against JAX's Pallas ``mha`` and timed interleaved wi
 and saves the rows under ``--out``. ``--band-mib`` adds this tree's kernels with other L2 budgets
 for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 
-``--window N`` gives every call a sliding window of ``N`` keys on either side, which ``mha`` does not
-take: the first folder's kernels are then the check and the ratio's denominator instead. ``--dtype``
-sets q, k and v's dtype.
+``--window N`` gives every call a sliding window of ``N`` keys on either side, which ``mha`` does
+not take: the first folder's kernels are then the check and the ratio's denominator instead.
+``--dtype`` sets q, k and v's dtype.
 
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
         [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]

@@ -45,11 +45,11 @@ _AUTO_ORDER = {
 # decoding; 0.74x only at 8x2048x32x64 causal (results/decode_NVIDIA_H200_20261129-224926.json to
 # -231101.json). So XLA goes first, for decoding calls too; causal calls at head dims up to 64
 # and calls with a narrow window infer on Triton (:func:`_float32_cfg`), causal windows of up to
-# 512 keys (768 at head dims up to 64) train there too (:func:`_float32_triton_trains`). Of our kernels, Pallas-Triton's
-# blocks spill: at 8x2048x32x64 causal it ran forward 0.048x and forward+backward 0.23x Triton
-# (results/features_NVIDIA_H200_20261129-111921.json), so Triton goes next; on both kernels'
-# float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward and 0.93-1.02x its
-# forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
+# 512 keys (768 at head dims up to 64) train there too (:func:`_float32_triton_trains`). Of our
+# kernels, Pallas-Triton's blocks spill: at 8x2048x32x64 causal it ran forward 0.048x and
+# forward+backward 0.23x Triton (results/features_NVIDIA_H200_20261129-111921.json), so Triton
+# goes next; on both kernels' float32 blocks since, Pallas-Triton read 0.71-0.75x Triton's forward
+# and 0.93-1.02x its forward+backward at that shape and 4x4096x16x128 causal (-114353.json).
 _AUTO_ORDER_FLOAT32 = {"gpu": ("xla", "triton", "pallas")}
 # Pallas-Triton before Triton where it ran faster on the float32 blocks of both
 # (:func:`_float32_pallas_first`).

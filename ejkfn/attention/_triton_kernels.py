@@ -752,7 +752,7 @@ def bwd_dkdv_kernel(
         if SPLIT:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full_lo, full_lo + gap, hi, 0,
+                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full_lo, full_hi, hi, 0,
                 False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE,
                 SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG,
                 DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, False,
@@ -763,10 +763,9 @@ def bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(
             dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
             mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
-            True, HEADS, SEQ_Q, SEQ_K,
-            HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
-            BLOCK_Q, BLOCK_D, SPLIT and WINDOW_LEFT >= 0,
+            True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH,
+            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, SPLIT and WINDOW_LEFT >= 0,
         )  # fmt: skip
     if DROP_SCALE != 1.0:  # dropout on
         dv = dv * DROP_SCALE
