@@ -11,11 +11,13 @@ for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 
 ``--window N`` gives every call a sliding window of ``N`` keys on either side, which ``mha`` does
 not take: the first folder's kernels are then the check and the ratio's denominator instead.
+``--split-keys 256x256,...`` adds this tree's Triton kernels with other ``WINDOW_SPLIT_KEYS`` (the
+keys a window spans before its interior runs unmasked, forward x backward).
 ``--dtype`` sets q, k and v's dtype.
 
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
         [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]
-        [--dtype float32] [--out DIR]
+        [--split-keys 256x256] [--dtype float32] [--out DIR]
 """
 
 from __future__ import annotations
@@ -94,18 +96,34 @@ def direct(
     return attend
 
 
-def with_band_bytes(fn: Any, budget: int) -> Any:
-    """``fn`` traced with ``_backend.BAND_BYTES = budget`` (jit it after wrapping)."""
+def with_value(fn: Any, module: ModuleType, name: str, value: Any) -> Any:
+    """``fn`` traced with ``module.name = value`` (jit it after wrapping)."""
 
     def run(*args):
-        saved = backend_module.BAND_BYTES
-        backend_module.BAND_BYTES = budget
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn(*args)
         finally:
-            backend_module.BAND_BYTES = saved
+            setattr(module, name, saved)
 
     return run
+
+
+def with_band_bytes(fn: Any, budget: int) -> Any:
+    """``fn`` traced with ``_backend.BAND_BYTES = budget`` (jit it after wrapping)."""
+    return with_value(fn, backend_module, "BAND_BYTES", budget)
+
+
+def parse_split_keys(text: str) -> list[dict[str, int]]:
+    """``"256x512,..."`` as ``_triton.WINDOW_SPLIT_KEYS`` values (forward x backward keys)."""
+    limits = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--split-keys: expected FWDxBWD key counts; got {item!r}")
+        limits.append({"fwd": int(parts[0]), "bwd": int(parts[1])})
+    return limits
 
 
 def main() -> int:
@@ -117,6 +135,12 @@ def main() -> int:
     parser.add_argument("--passes", default="fwd,bwd")
     parser.add_argument("--band-mib", default="", help="comma-separated L2 budgets to add (MiB)")
     parser.add_argument("--window", type=int, default=None, help="keys on either side")
+    parser.add_argument(
+        "--split-keys",
+        default="",
+        help="with --window, this tree's Triton kernels again with these WINDOW_SPLIT_KEYS "
+        "(FWDxBWD, comma-separated)",
+    )
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
@@ -135,6 +159,10 @@ def main() -> int:
         if name in args.backends.split(",")
     }
     budgets = [int(m) for m in args.band_mib.split(",") if m]
+    try:
+        split_keys = parse_split_keys(args.split_keys) if args.split_keys else []
+    except ValueError as bad:
+        parser.error(str(bad))
     # mha takes no window: the first folder's kernels check the others then
     baseline = "mha" if args.window is None else f"{next(iter(current))} {tags[0]}"
     cases = [
@@ -157,6 +185,11 @@ def main() -> int:
                 for name in current:
                     now = passes[f"{name} now"]
                     passes[f"{name} now, bands {mib} MiB"] = with_band_bytes(now, mib << 20)
+            for limits in split_keys if "triton" in current else []:
+                label = f"triton now, split {limits['fwd']}x{limits['bwd']}"
+                passes[label] = with_value(
+                    passes["triton now"], _triton, "WINDOW_SPLIT_KEYS", limits
+                )
             jitted = {n: jax.jit(f) for n, f in passes.items()}
             done = check_then_time(
                 case, backward, jitted, baseline, sets, args.calls, args.rounds, max_error=2e-2

@@ -481,7 +481,13 @@ def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
 
     import numpy as np
     from attention import Case, fwd_bwd, inputs
-    from revision_ab_gpu import direct, previous_modules, with_band_bytes
+    from revision_ab_gpu import (
+        direct,
+        parse_split_keys,
+        previous_modules,
+        with_band_bytes,
+        with_value,
+    )
 
     from ejkfn.attention import _backend, _pallas_gpu, _triton
     from ejkfn.attention._backend import backend_for
@@ -518,6 +524,12 @@ def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
     seen = []
     with_band_bytes(lambda: seen.append(_backend.BAND_BYTES), 3 << 20)()
     assert seen == [3 << 20] and _backend.BAND_BYTES != 3 << 20
+    limits = parse_split_keys("256x512,0x0")
+    assert limits == [{"fwd": 256, "bwd": 512}, {"fwd": 0, "bwd": 0}]
+    with_value(lambda: seen.append(_triton.WINDOW_SPLIT_KEYS), _triton, "WINDOW_SPLIT_KEYS", limits[0])()  # fmt: skip
+    assert seen[-1] == limits[0] and _triton.WINDOW_SPLIT_KEYS != limits[0]
+    with pytest.raises(ValueError, match=r"FWDxBWD key counts; got '256'"):
+        parse_split_keys("256x512,256")
     (folder / "_pallas_gpu.py").unlink()
     with pytest.raises(FileNotFoundError, match=r"_pallas_gpu\.py"):
         previous_modules(folder, "copy2")
