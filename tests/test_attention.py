@@ -929,6 +929,13 @@ def test_auto_infers_a_float32_causal_call_at_head_dim_64_on_triton() -> None:
         assert (other.platform, other.inference) == ("xla", None), other
 
 
+def test_window_keys_count_the_right_side_only_without_the_causal_mask() -> None:
+    """The keys a window lets a query see besides its own, which every window rule compares."""
+    assert AttentionSpec(scale=1.0, causal=True).window_keys is None
+    assert AttentionSpec(scale=1.0, causal=True, window=(256, 4096)).window_keys == 256
+    assert AttentionSpec(scale=1.0, window=(256, 100)).window_keys == 356
+
+
 @pytest.mark.usefixtures("hopper_without_cudnn")
 @pytest.mark.parametrize(
     ("window", "causal", "dim", "trains", "infers"),

@@ -515,13 +515,9 @@ def _feature_backends(
         return training, (_PALLAS_TRITON if narrow_causal else _TRITON)
     if spec.dropout_prob > 0.0:
         return _TRITON, _TRITON
-    if spec.window is not None and not wide:
-        left, right = spec.window
-        seen = left + (0 if spec.causal else right)
-        if seen <= _NARROW_WINDOW:
-            return _PALLAS_TRITON, (
-                _PALLAS_TRITON if seen <= _PALLAS_TRITON_INFERS_WINDOW else _CUDNN
-            )
+    seen = spec.window_keys
+    if seen is not None and not wide and seen <= _NARROW_WINDOW:
+        return _PALLAS_TRITON, (_PALLAS_TRITON if seen <= _PALLAS_TRITON_INFERS_WINDOW else _CUDNN)
     return None
 
 
@@ -555,9 +551,7 @@ def _float32_triton_infers(shape: AttentionShape) -> bool:
         return shape.head_dim <= 64
     if spec.window is None or not spec.features <= {"causal", "sliding_window"}:
         return False
-    left, right = spec.window
-    seen = left + (0 if spec.causal else right)
-    return seen <= _window_limit(_FLOAT32_TRITON_INFERS_KEYS, shape.head_dim)
+    return spec.window_keys <= _window_limit(_FLOAT32_TRITON_INFERS_KEYS, shape.head_dim)
 
 
 def _float32_triton_trains(shape: AttentionShape) -> bool:
@@ -573,7 +567,7 @@ def _float32_triton_trains(shape: AttentionShape) -> bool:
         return False
     if _backend.decoding_rows(shape) is not None:
         return False
-    return spec.window[0] <= _window_limit(_FLOAT32_TRITON_TRAINS_KEYS, shape.head_dim)
+    return spec.window_keys <= _window_limit(_FLOAT32_TRITON_TRAINS_KEYS, shape.head_dim)
 
 
 def _float32_cfg(

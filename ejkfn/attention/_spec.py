@@ -68,6 +68,15 @@ class AttentionSpec:
             )
 
     @property
+    def window_keys(self) -> int | None:
+        """The keys a window lets each query see besides its own: its left side when causal (the
+        right one lies past the diagonal), both sides otherwise; None without a window."""
+        if self.window is None:
+            return None
+        left, right = self.window
+        return left + (0 if self.causal else right)
+
+    @property
     def features(self) -> frozenset[str]:
         """Names of the features this call uses (what a backend may have to refuse)."""
         used = {

@@ -208,8 +208,7 @@ def splits_window(spec: AttentionSpec, dtype: Any, pass_: str) -> bool:
         return True
     if np.dtype(dtype) == np.float32:
         return False
-    left, right = spec.window
-    return left + (0 if spec.causal else right) >= WINDOW_SPLIT_KEYS[pass_]
+    return spec.window_keys >= WINDOW_SPLIT_KEYS[pass_]
 
 
 def _prepare(q, k, v, bias, mask, q_seg, kv_seg, seed, spec: AttentionSpec, pass_: str) -> _Call:
