@@ -344,6 +344,8 @@ def _fwd_inner(
     drop_key,
     start,
     stop,
+    gap_at,
+    gap,
     MASKED: tl.constexpr,
     HEADS: tl.constexpr,
     SEQ_Q: tl.constexpr,
@@ -369,12 +371,17 @@ def _fwd_inner(
     ROW_GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GAP: tl.constexpr,
 ):
+    # With ``GAP`` the key blocks from ``gap_at`` on lie ``gap`` keys further on (the masked loop
+    # steps over the unmasked blocks between a window's two edges).
     offs_d = tl.arange(0, BLOCK_D)
     # No bias or cap and a positive scale: the row max of the raw products, scaled once, is the
     # max of the logits, and the scale folds into the exponent's fused multiply-add.
     RAW_MAX: tl.constexpr = not MASKED and SOFT_CAP == 0 and not HAS_BIAS and SCALE > 0
     for n0 in range(start, stop, BLOCK_K):
+        if GAP:
+            n0 = tl.where(n0 >= gap_at, n0 + gap, n0)
         cols = n0 + tl.arange(0, BLOCK_K)
         # Masked loads even where the block lies inside the keys: without masks, causal kernels
         # (two loops) ran 19-22% slower on an H200 (benchmarks/NOTES.md, ninth round).
@@ -508,46 +515,41 @@ def fwd_kernel(
     # diagonal, a ragged end) run before the interior: after it, ptxas serialized every wgmma of
     # the kernel, each k-step waited on alone (its warning C7515). With square blocks it does not,
     # and the interior first ran 2% faster at 4x4096x16x128 causal (NOTES.md, 43rd round).
-    # A window's left edge is a masked loop of its own, compiled only where it can hold blocks.
+    # A window's two masked edges, [lo, full_lo) and [full_hi, hi), run as one loop that steps over
+    # the interior between them: a loop for each had cost the forward 0.75-0.93x at 128-512 keys.
     MASKED_FIRST: tl.constexpr = BLOCK_Q != BLOCK_K
-    LEFT_EDGE: tl.constexpr = SPLIT and WINDOW_LEFT >= 0
+    EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0
+    gap = full_hi - full_lo
+    if EDGES:
+        masked_lo = lo
+        masked_hi = hi - gap
+    else:
+        masked_lo = full_hi
+        masked_hi = hi
     if MASKED_FIRST:
-        if LEFT_EDGE:
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-                kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-                SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-                HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
-                BLOCK_D,
-            )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
+            HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
+            ROW_GROUP, BLOCK_K, BLOCK_D, EDGES,
         )  # fmt: skip
     if SPLIT:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full_lo, full_hi, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_lo, full_hi, hi, 0, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM,
+            SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
+            BLOCK_D, False,
         )  # fmt: skip
     if not MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
+            HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
+            ROW_GROUP, BLOCK_K, BLOCK_D, EDGES,
         )  # fmt: skip
-        if LEFT_EDGE:
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-                kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-                SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-                HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
-                BLOCK_D,
-            )  # fmt: skip
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -796,6 +798,8 @@ def _dq_inner(
     drop_key,
     start,
     stop,
+    gap_at,
+    gap,
     MASKED: tl.constexpr,
     HEADS: tl.constexpr,
     SEQ_Q: tl.constexpr,
@@ -820,9 +824,12 @@ def _dq_inner(
     DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    GAP: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
     for n0 in range(start, stop, BLOCK_K):
+        if GAP:  # as in _fwd_inner
+            n0 = tl.where(n0 >= gap_at, n0 + gap, n0)
         cols = n0 + tl.arange(0, BLOCK_K)
         kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(k_base + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -963,26 +970,29 @@ def bwd_dq_kernel(
     if KV_SPLITS > 1:  # partial dQ ``split``, over one run of whole key blocks
         DQ += split.to(tl.int64) * SDX
         lo, hi, full_lo, full_hi = _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS, BLOCK_K)
+    EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # one masked loop for both, as forward
+    gap = full_hi - full_lo
+    if EDGES:
+        masked_lo = lo
+        masked_hi = hi - gap
+    else:
+        masked_lo = full_hi
+        masked_hi = hi
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, full_lo, full_hi, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            kvseg_base, drop_key, full_lo, full_hi, hi, 0, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM,
+            SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+            HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+            False,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-        kvseg_base, drop_key, full_hi, hi, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS, SBM,
-        SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK,
-        HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
+        HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
+        HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
+        EDGES,
     )  # fmt: skip
-    if SPLIT and WINDOW_LEFT >= 0:  # the window's left edge: the first key blocks
-        dq = _dq_inner(
-            dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
-            kvseg_base, drop_key, lo, full_lo, True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SKS, SVS,
-            SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS,
-            HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
-        )  # fmt: skip
     dq = dq * SCALE
     dq_ptrs = DQ + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :]
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=q_mask)
