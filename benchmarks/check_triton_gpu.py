@@ -359,7 +359,15 @@ def main():
     parser.add_argument(
         "--only", nargs="*", default=[], help="run only checks whose name has these"
     )
+    parser.add_argument(
+        "--split-every-window",
+        action="store_true",
+        help="run every 16-bit window's interior unmasked, however narrow (WINDOW_SPLIT_KEYS 0)",
+    )
     a = parser.parse_args()
+    if a.split_every_window:
+        tri.WINDOW_SPLIT_KEYS = {"fwd": 0, "bwd": 0}
+    RESULTS["window_split_keys"] = dict(tri.WINDOW_SPLIT_KEYS)
     global SMALL
     SMALL = 16 if a.small else 1
     dev = jax.devices()[0]
