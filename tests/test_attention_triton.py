@@ -316,7 +316,7 @@ def test_windows_masked_throughout(feature, monkeypatch):
 
 
 def test_only_wide_16_bit_windows_split(monkeypatch):
-    """A window's interior runs unmasked from 1024 keys seen in the forward, 512 in the backward
+    """A window's interior runs unmasked from 128 keys seen in the forward, 512 in the backward
     (one side when causal, both when not), never in float32 nor with a mask; and the kernels get
     what the rule says."""
     monkeypatch.setattr(tri, "splits_window", SPLITS_WINDOW)
@@ -326,20 +326,21 @@ def test_only_wide_16_bit_windows_split(monkeypatch):
         return tuple(SPLITS_WINDOW(spec, dtype, p) for p in ("fwd", "bwd"))
 
     assert split(None, True, "float32") == (True, True)
-    assert split((511, 4096), True) == (False, False)
-    assert split((512, 0), True) == (False, True)
-    assert split((1023, 0), True, "float16") == (False, True)
-    assert split((1024, 0), True) == (True, True)
-    assert split((256, 255), False) == (False, False)
-    assert split((256, 256), False) == (False, True)
-    assert split((0, 1024), False) == (True, True)
+    assert split((127, 4096), True) == (False, False)
+    assert split((128, 0), True) == (True, False)
+    assert split((511, 0), True, "float16") == (True, False)
+    assert split((512, 0), True) == (True, True)
+    assert split((64, 63), False) == (False, False)
+    assert split((64, 64), False) == (True, False)
+    assert split((0, 512), False) == (True, True)
     assert split((4096, 4096), False, "float32") == (False, False)
 
     q = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
     mask = jnp.ones((1, 1, 64, 64), bool)
     for window, mask_, pass_, want in [
-        ((1024, 0), None, "fwd", True),
-        ((600, 0), None, "fwd", False),
+        ((300, 0), None, "fwd", True),
+        ((100, 0), None, "fwd", False),
+        ((300, 0), None, "bwd", False),
         ((600, 0), None, "bwd", True),
         ((600, 0), mask, "bwd", False),
     ]:

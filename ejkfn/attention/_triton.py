@@ -194,11 +194,13 @@ class _Call:
 
 
 # Keys a window must span (left + right; the left side alone when causal) before the whole blocks
-# between its edges run unmasked, by pass. Narrower, the extra loops cost more than the masks: on
-# an H200 in bf16 the split ran 0.75-0.93x the all-masked forward at 128-512 keys, 1.05-1.61x at
-# 1024-2048, and forward+backward 0.87-0.98x at 128-256, 1.03-1.08x at 512 (NOTES.md, sixty-second
-# round). Float32 never splits: its FFMA loop masks for little, and splitting made dK/dV spill.
-WINDOW_SPLIT_KEYS = {"fwd": 1024, "bwd": 512}
+# between its edges run unmasked, by pass. Narrower, the extra loop costs more than the masks. On
+# an H200 in bf16 the split forward ran 1.10-1.37x the all-masked one at 4x4096x16x64 causal from
+# 128 to 512 keys, 1.05-1.12x at 2x8192x16x128 from 256, 0.99x there at 128; splitting the
+# backward too ran 0.94-1.00x splitting the forward alone at 128-256 keys, 1.04x at 512 (NOTES.md,
+# sixty-third round). Float32 never splits: its FFMA loop masks for little, and splitting made
+# dK/dV spill.
+WINDOW_SPLIT_KEYS = {"fwd": 128, "bwd": 512}
 
 
 def splits_window(spec: AttentionSpec, dtype: Any, pass_: str) -> bool:
