@@ -739,7 +739,8 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (64, True, "window_511", _PT, _TRI),
         (64, True, "window_512", _TRI, _TRI),  # Triton trains from 512 keys
         (64, True, "window_1024", _TRI, _TRI),
-        (64, True, "wide_window", _CUDNN, _CUDNN),  # the default order
+        (64, True, "wide_window", _CUDNN, _TRI),  # cuDNN trains from 1025 keys
+        (64, True, "wider_window", _CUDNN, _CUDNN),  # the default order
         (128, True, "window", _TRI, _TRI),
         (128, True, "window_512", _CUDNN, _TRI),  # Triton trains up to 256 keys at D = 128
         # 1024 keys seen: the default order, where cuDNN refuses a window right of the diagonal
@@ -795,6 +796,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "window_512_a_side": dict(sliding_window=512),
         "window_1024": dict(sliding_window=(1024, 0)),
         "wide_window": dict(sliding_window=(2048, 0)),
+        "wider_window": dict(sliding_window=(2049, 0)),
     }
     options = {k: v for name in feature.split("+") for k, v in arrays[name].items()}
     kernel = FlashAttention()

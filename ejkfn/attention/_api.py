@@ -465,28 +465,28 @@ def _hopper_cfg(
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window (sixty-third round, after Triton's forward began to skip the masks between a window's
-#   edges; 8x2048x32x64, 2x8192x32(8 kv)x64 and 4x4096x16x128 causal). At D = 64 up to
-#   _NARROW_WINDOW keys besides the diagonal, Triton infers (Pallas-Triton 0.95-0.99x at 128 to
-#   1024 keys, cuDNN 0.80-0.96x; not causal, 256 and 512 a side, Pallas-Triton 0.96-0.99x); it
-#   trains from _TRITON_TRAINS_WINDOW keys, where its backward skips the masks too (Pallas-Triton
-#   0.96-0.97x at 512 and 1024), Pallas-Triton below (its 64 x 64 backward; Triton 0.94x at 256,
-#   cuDNN 0.79x). Above D = 64 up to D = 128: Triton infers up to _TRITON_INFERS_WIDE_WINDOW keys
-#   (cuDNN 0.91x at 256, even at 512), trains up to _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96x at
-#   256), cuDNN trains wider (Triton 0.93x at 512). Wider windows run the default order: cuDNN
-#   trained and inferred faster at 1024 and 2048 keys above D = 64 (Triton 0.83-0.93x forward),
-#   and at 2048 keys at D = 64 (Pallas-Triton 0.97-0.98x to train, sixty-second round).
+#   edges; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128 and 2x8192x16x128 causal). At D = 64,
+#   Triton infers up to _TRITON_INFERS_WINDOW keys besides the diagonal (Pallas-Triton 0.94-0.99x
+#   at 128 to 2048 keys, cuDNN 0.80-0.96x; not causal, 256 and 512 a side, Pallas-Triton
+#   0.96-0.99x). It trains from _TRITON_TRAINS_WINDOW[0] keys, where its backward skips the masks
+#   too, to _TRITON_TRAINS_WINDOW[1] (Pallas-Triton 0.96-0.98x); Pallas-Triton trains narrower
+#   (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN 0.74-0.79x) and cuDNN wider (Triton
+#   0.96-0.98x, Pallas-Triton 0.96-0.98x at 2048). Above D = 64 up to 128, Triton infers up to
+#   _TRITON_INFERS_WIDE_WINDOW keys (cuDNN 0.90-0.91x at 256, 1.00x at 512) and trains up to
+#   _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96-0.99x at 256); cuDNN trains wider (Triton 0.93-0.94x at
+#   512), and trains and infers from 1024 keys (Triton 0.83-0.93x forward, sixty-second round).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
-_NARROW_WINDOW = 1024
-_TRITON_TRAINS_WINDOW = 512
+_TRITON_INFERS_WINDOW = 2048
+_TRITON_TRAINS_WINDOW = (512, 1024)
 _TRITON_INFERS_WIDE_WINDOW = 512
 _TRITON_TRAINS_WIDE_WINDOW = 256
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
 # for its forward+backward (causal), to lead XLA's, as (up to head dim, keys) pairs; none above
-# the last head dim (measured apart from _NARROW_WINDOW's rule).
+# the last head dim (measured apart from the bf16 window rule).
 _FLOAT32_TRITON_INFERS_KEYS = ((128, 1024), (256, 256))
 _FLOAT32_TRITON_TRAINS_KEYS = ((64, 768), (128, 512))
 
@@ -522,8 +522,10 @@ def _feature_backends(
     seen = spec.window_keys
     if seen is None:
         return None
-    if not wide and seen <= _NARROW_WINDOW:
-        return (_TRITON if seen >= _TRITON_TRAINS_WINDOW else _PALLAS_TRITON), _TRITON
+    if not wide and seen <= _TRITON_INFERS_WINDOW:
+        low, high = _TRITON_TRAINS_WINDOW
+        training = _PALLAS_TRITON if seen < low else _TRITON if seen <= high else _CUDNN
+        return training, _TRITON
     if shape.head_dim <= 128 and seen <= _TRITON_INFERS_WIDE_WINDOW:
         return (_TRITON if seen <= _TRITON_TRAINS_WIDE_WINDOW else _CUDNN), _TRITON
     return None
