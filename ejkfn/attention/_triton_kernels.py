@@ -267,6 +267,22 @@ def _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS: tl.constexpr, BLOCK_K
 
 @triton.jit
 @no_type_check
+def _masked_run(lo, hi, full_lo, full_hi, EDGES: tl.constexpr):
+    """The masked loop's ``(lo, hi, gap)`` over blocks ``[lo, hi)`` whose ``[full_lo, full_hi)``
+    run unmasked: with ``EDGES`` (a window's two edges) one run that steps ``gap`` blocks' keys or
+    queries over the interior; otherwise the blocks after it."""
+    gap = full_hi - full_lo
+    if EDGES:
+        masked_lo = lo
+        masked_hi = hi - gap
+    else:
+        masked_lo = full_hi
+        masked_hi = hi
+    return masked_lo, masked_hi, gap
+
+
+@triton.jit
+@no_type_check
 def _q_blocks(
     n0,
     SEQ_Q: tl.constexpr,
@@ -519,13 +535,7 @@ def fwd_kernel(
     # the interior between them: a loop for each had cost the forward 0.75-0.93x at 128-512 keys.
     MASKED_FIRST: tl.constexpr = BLOCK_Q != BLOCK_K
     EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0
-    gap = full_hi - full_lo
-    if EDGES:
-        masked_lo = lo
-        masked_hi = hi - gap
-    else:
-        masked_lo = full_hi
-        masked_hi = hi
+    masked_lo, masked_hi, gap = _masked_run(lo, hi, full_lo, full_hi, EDGES)
     if MASKED_FIRST:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
@@ -971,13 +981,7 @@ def bwd_dq_kernel(
         DQ += split.to(tl.int64) * SDX
         lo, hi, full_lo, full_hi = _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS, BLOCK_K)
     EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # one masked loop for both, as forward
-    gap = full_hi - full_lo
-    if EDGES:
-        masked_lo = lo
-        masked_hi = hi - gap
-    else:
-        masked_lo = full_hi
-        masked_hi = hi
+    masked_lo, masked_hi, gap = _masked_run(lo, hi, full_lo, full_hi, EDGES)
     if SPLIT:
         dq = _dq_inner(
             dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
