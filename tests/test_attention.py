@@ -743,8 +743,10 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (64, True, "wider_window", _CUDNN, _CUDNN),  # the default order
         (128, True, "window", _TRI, _TRI),
         (128, True, "window_512", _CUDNN, _TRI),  # Triton trains up to 256 keys at D = 128
-        # 1024 keys seen: the default order, where cuDNN refuses a window right of the diagonal
-        (128, False, "window_512_a_side", _PT, _PT),
+        # cuDNN, which would train, refuses a window right of the diagonal: the default order trains
+        (128, False, "window_256_a_side", _PT, _TRI),
+        (64, False, "window_1024_a_side", _PT, _TRI),
+        (128, False, "window_512_a_side", _PT, _PT),  # 1024 keys seen: the default order
         (128, True, "window_1024", _CUDNN, _CUDNN),
         (256, True, "window", _CUDNN, _CUDNN),  # unmeasured above D = 128: the default order
     ],
@@ -793,7 +795,9 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "window": dict(sliding_window=64),
         "window_511": dict(sliding_window=(511, 0)),
         "window_512": dict(sliding_window=(512, 0)),
+        "window_256_a_side": dict(sliding_window=256),
         "window_512_a_side": dict(sliding_window=512),
+        "window_1024_a_side": dict(sliding_window=1024),
         "window_1024": dict(sliding_window=(1024, 0)),
         "wide_window": dict(sliding_window=(2048, 0)),
         "wider_window": dict(sliding_window=(2049, 0)),

@@ -476,7 +476,8 @@ def _hopper_cfg(
 #   _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96-0.99x at 256); cuDNN trains wider (Triton 0.93-0.94x at
 #   512), and trains and infers from 1024 keys (Triton 0.83-0.93x forward, sixty-second round).
 # The first feature of the list above that a call has decides; where the inference backend refuses
-# the call, the training one infers too.
+# the call, the training one infers too, and where the training one refuses it (cuDNN, a window
+# right of the diagonal or queries and keys of different lengths), the default order trains.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
@@ -602,10 +603,14 @@ def _float32_cfg(
 
 
 def _feature_cfg(
-    shape: AttentionShape, args: Sequence[Any], kwargs: dict[str, Any]
+    shape: AttentionShape,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    default: AttentionBackend,
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
-    None where no preference applies or the preferred backends cannot do the call."""
+    None where no preference applies or neither preferred backend can do the call. Where only the
+    training one refuses it (cuDNN, a window right of the diagonal), ``default`` trains."""
     if not _is_hopper() or shape.dtype == "float32":  # measured with 16-bit inputs
         return None
     if _backend.decoding_rows(shape) is not None:  # measured on longer queries
@@ -624,8 +629,10 @@ def _feature_cfg(
         else:
             cfgs.append(_config(backend, params))
     training, inference = cfgs
-    if training is None:
+    if training is None and inference is None:
         return None
+    if training is None:
+        training = _config(default, default.heuristic(shape))
     if inference is None or inference == training:  # a forward the training backend can do
         return training
     return dataclasses.replace(training, inference=inference)
@@ -921,7 +928,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
                 )
             backend = chosen[0]
             preferred = (
-                _feature_cfg(shape, args, kwargs)
+                _feature_cfg(shape, args, kwargs, backend)
                 or _hopper_cfg(backend, shape, args, kwargs)
                 or _float32_cfg(backend, shape, args, kwargs)
             )
