@@ -1456,6 +1456,23 @@ def test_auto_decodes_on_triton_on_gpus(
     )
 
 
+def test_chunked_tiles_follow_a_causal_windows_left_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A causal window's right side is hidden by the mask: (128, 4096) is the call (128, 0) is, and
+    gets its tiles, not those of a window 4096 keys wide."""
+    from ejkfn.attention import _xla
+
+    x = jax.ShapeDtypeStruct((2, 8192, 8, 128), jnp.float32)
+    monkeypatch.setattr(_xla, "device_kind", lambda: "gpu")
+
+    def tiles(window, causal=True):
+        spec = AttentionSpec(scale=0.125, causal=causal, window=window)
+        return _xla.CHUNKED.heuristic(AttentionShape.of(x, x, spec))
+
+    assert tiles((128, 4096)) == tiles((128, 0))
+    assert tiles((128, 4096))[0].kv_blocksize == 512
+    assert tiles((128, 4096), causal=False)[0].kv_blocksize == 2048  # not causal: the wider side
+
+
 @pytest.mark.parametrize(
     ("shape", "mask", "fwd", "bwd"),
     [

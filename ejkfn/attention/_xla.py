@@ -520,15 +520,19 @@ def _halve_to_fit(rows: int, bq: int, bk: int, limit: int) -> tuple[int, int]:
 def _gpu_blocks(shape: AttentionShape, unmasked: tuple[int, int]) -> tuple[int, int]:
     """A chunked tile ``(queries, keys)`` on a GPU: ``unmasked`` without a mask; causal an eighth
     of the keys (512-2048) by half as many queries, whose diagonal blocks compute fewer hidden
-    scores; with a window keys as many as its wider side (512-2048) by half as many queries.
-    Halved until the tiles of all batches and heads hold ``_DENSE_LIMIT`` scores or fewer."""
+    scores; with a window keys as many as its wider side (512-2048) by half as many queries, the
+    left side alone when causal (the mask hides the right). Halved until the tiles of all batches
+    and heads hold ``_DENSE_LIMIT`` scores or fewer."""
     spec = shape.spec
-    if spec.window is not None or spec.causal:
-        span = max(spec.window) if spec.window is not None else shape.seq_k // 8
+    if spec.window is None and not spec.causal:
+        bq, bk = unmasked
+    else:
+        if spec.window is None:
+            span = shape.seq_k // 8
+        else:
+            span = spec.window[0] if spec.causal else max(spec.window)
         bk = min(2048, max(512, _pow2_at_least(span)))
         bq = bk // 2
-    else:
-        bq, bk = unmasked
     rows = shape.batch * shape.heads
     return _halve_to_fit(rows, _fit(bq, shape.seq_q), _fit(bk, shape.seq_k), _DENSE_LIMIT)
 
