@@ -10,12 +10,15 @@ ptxas serializing them, which it warns of as C7515 (NOTES.md, forty-third round)
 
     python3 benchmarks/triton_sass.py [--shapes 8x2048x32x64,...] [--masks both]
         [--kernels fwd,dq,dkdv] [--fwd 128x64x8x3] [--bwd 32x64x4x3xmirrored[xdq2]]
-        [--feature segments] [--dtype float32] [--json FILE]
+        [--feature segments] [--dtype float32] [--split always] [--json FILE]
 
 ``--feature`` compiles calls that use one (``bias``, ``bias_f32``, ``mask``, ``segments``,
 ``dropout``, ``soft_cap`` or ``window``, made as ``features_gpu.py`` makes them) on the blocks the
 heuristic picks for such a call. Each kernel's row also has the shared memory it asks at launch
 (Triton's count; Hopper allows 227 KiB).
+
+``--split always`` (or ``never``) compiles every window's interior unmasked (or masked) whatever
+``_triton.splits_window`` would pick, float32 too, to see what its rule costs before timing it.
 
 ``--ptx FILE...`` reads PTX built elsewhere the same way: XLA's build of the Pallas-Triton kernels,
 kept on a GPU by ``benchmarks/xla_ptxas/ptxas``. Its ``.version`` is lowered to what this ptxas
@@ -53,6 +56,12 @@ from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionShape, AttentionSpec, _triton
 
 KERNELS = {"fwd": "fwd_kernel", "dq": "bwd_dq_kernel", "dkdv": "bwd_dkdv_kernel"}
+# Whether a window's interior runs unmasked (``_triton.splits_window``), by ``--split``.
+SPLIT_RULES = {
+    "rule": _triton.splits_window,
+    "always": lambda spec, dtype, pass_: True,
+    "never": lambda spec, dtype, pass_: spec.window is None,
+}
 _POINTEE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int8": "i8"}
 _POINTEE |= {"int32": "i32", "uint32": "u32"}
 
@@ -240,6 +249,7 @@ def main() -> int:
     parser.add_argument("--bwd", default="", help="backward blocks, else the heuristic's")
     parser.add_argument("--feature", choices=(*FEATURES, FLOAT32_BIAS), default="none")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument("--split", choices=tuple(SPLIT_RULES), default="rule")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     parser.add_argument("--ptx", nargs="+", default=[], help="read these PTX files instead")
     args = parser.parse_args()
@@ -254,6 +264,7 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
+    _triton.splits_window = SPLIT_RULES[args.split]
     wanted = args.kernels.split(",")
     if unknown := set(wanted) - set(KERNELS):
         parser.error(f"--kernels: {sorted(unknown)} not among {list(KERNELS)}")
@@ -270,6 +281,7 @@ def main() -> int:
             case = f"{b}x{s}x{h}{f'/{kvh}kv' if kvh != h else ''}x{d}{' causal' if causal else ''}"
             case += "" if args.feature == "none" else f" +{args.feature}"
             case += "" if args.dtype == "bfloat16" else f" {args.dtype}"
+            case += "" if args.split == "rule" else f" split {args.split}"
             for name, launch in launches(shape, fp, bp, args.feature).items():
                 if name not in wanted:
                     continue

@@ -697,6 +697,26 @@ def test_triton_sass_reads_ptx_from_a_newer_toolkit(tmp_path):
 
 
 @pytest.mark.slow
+def test_triton_sass_compiles_a_windows_interior_masked_or_not_as_asked(tmp_path):
+    """``--split always`` compiles a float32 window (which the rule keeps masked) with its interior
+    loop beside the masked one; ``--split never`` with the masked loop alone."""
+    env = child_env()
+    env.pop("TRITON_INTERPRET", None)
+    loops = {}
+    for split in ("always", "never"):
+        out = tmp_path / f"{split}.json"
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "triton_sass.py"), "--shapes", "1x512x2x64", "--masks", "causal", "--kernels", "dq", "--feature", "window", "--dtype", "float32", "--split", split, "--json", str(out)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        [row] = json.loads(out.read_text())
+        assert row["case"].endswith(f"split {split}")
+        loops[split] = len(row["loops"])
+    assert loops == {"always": 2, "never": 1}
+
+
+@pytest.mark.slow
 def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
     """On the CPU only ``auto`` (the XLA kernel) runs; each feature's arrays must reach it, or its
     output would match the reference without them, which the check would catch."""
