@@ -817,6 +817,14 @@ def test_auto_on_hopper_orders_backends_by_feature(
     assert elsewhere.platform == ("pallas" if refused or looks_right else "cudnn")
 
 
+def test_auto_trains_windows_on_triton_from_where_its_backward_splits() -> None:
+    """At head dim 64 ``auto`` trains a window on Triton from the width at which Triton's backward
+    runs the interior unmasked (what made it lead there); the two limits move together."""
+    from ejkfn.attention import _api
+
+    assert _api._TRITON_TRAINS_WINDOW[0] == _triton.WINDOW_SPLIT_KEYS["bwd"]
+
+
 @pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize(
     ("dim", "causal", "feature", "platform"),
