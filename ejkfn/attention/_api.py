@@ -466,7 +466,7 @@ def _hopper_cfg(
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window (sixty-third round, after Triton's forward began to skip the masks between a window's
 #   edges; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128 and 2x8192x16x128 causal). At D = 64,
-#   Triton infers up to _TRITON_INFERS_WINDOW keys besides the diagonal (Pallas-Triton 0.94-0.99x
+#   Triton infers up to _TRITON_INFERS_WINDOW keys besides the diagonal (Pallas-Triton 0.94-1.00x
 #   at 128 to 2048 keys, cuDNN 0.80-0.96x; not causal, 256 and 512 a side, Pallas-Triton
 #   0.96-0.99x). It trains from _TRITON_TRAINS_WINDOW[0] keys, where its backward skips the masks
 #   too, to _TRITON_TRAINS_WINDOW[1] (Pallas-Triton 0.96-0.98x); Pallas-Triton trains narrower
