@@ -470,11 +470,12 @@ def _hopper_cfg(
 #   at 128 to 2048 keys, cuDNN 0.80-0.96x; not causal, 256 and 512 a side, Pallas-Triton
 #   0.96-0.99x). It trains from _TRITON_TRAINS_WINDOW[0] keys, where its backward skips the masks
 #   too, to _TRITON_TRAINS_WINDOW[1] (Pallas-Triton 0.96-0.98x); Pallas-Triton trains narrower
-#   (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN 0.74-0.79x) and cuDNN wider (Triton
-#   0.96-0.98x, Pallas-Triton 0.96-0.98x at 2048). Above D = 64 up to 128, Triton infers up to
-#   _TRITON_INFERS_WIDE_WINDOW keys (cuDNN 0.90-0.91x at 256, 1.00x at 512) and trains up to
-#   _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96-0.99x at 256); cuDNN trains wider (Triton 0.93-0.94x at
-#   512), and trains and infers from 1024 keys (Triton 0.83-0.93x forward, sixty-second round).
+#   (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN 0.74-0.79x) and cuDNN wider (at 2048
+#   over two runs Triton 0.96-1.00x, Pallas-Triton 0.95-0.98x). Above D = 64 up to 128, Triton
+#   infers up to _TRITON_INFERS_WIDE_WINDOW keys (cuDNN 0.90-0.91x at 256, 0.99-1.00x at 512) and
+#   trains up to _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96-0.99x at 256); cuDNN trains wider (Triton
+#   0.93-0.94x at 512), and trains and infers from 1024 keys (Triton 0.83-0.93x forward, sixty-second
+#   and sixty-third rounds).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
