@@ -749,6 +749,7 @@ def bwd_dkdv_kernel(
         full_lo = hi
         full_hi = hi
     gap = full_hi - full_lo  # the unmasked q blocks, which the masked loop steps over
+    EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # as in the forward and dQ
     for g in range(GROUP):
         h = kvh * GROUP + g
         bh64 = b64 * HEADS + h
@@ -777,7 +778,7 @@ def bwd_dkdv_kernel(
             mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
             True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP,
             CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH,
-            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, SPLIT and WINDOW_LEFT >= 0,
+            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, EDGES,
         )  # fmt: skip
     if DROP_SCALE != 1.0:  # dropout on
         dv = dv * DROP_SCALE
