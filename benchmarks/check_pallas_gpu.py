@@ -11,11 +11,13 @@ One run does everything and prints a short table last (device time is scarce):
    beside ``jax.nn.dot_product_attention(implementation="cudnn")`` and XLA.
 
 Each item is guarded: a failure is reported and the run goes on. Results also go to ``$OUT`` (when set)
-as JSON. Run from the repository root: ``python3 benchmarks/check_pallas_gpu.py``.
+as JSON. Run from the repository root: ``python3 benchmarks/check_pallas_gpu.py [--checks-only]``
+(``--checks-only``: items 1 and 2, and the Mosaic forward's windows, without the timing).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -273,7 +275,35 @@ def timing(impl, causal, fp=None, bp=None, *, shape=(2, 4096, 16, 128), label=""
     log(row)
 
 
+def mosaic_windows() -> None:
+    """The Mosaic forward's sliding windows (with the portable backward behind it): left edges,
+    unmasked blocks between, the diagonal; a window narrower than a key block; both sides; ragged
+    and unequal lengths; GQA; one cluster a tile (causal from ONE_TILE_CAUSAL_KEYS keys)."""
+    bf16, f16 = jnp.bfloat16, jnp.float16
+    long = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
+    for name, shape, dtype, kw in [
+        ("causal gqa 2x4096x8(2)x128", (2, 4096, 4096, 8, 2, 128), bf16, dict(window=(1000, 0))),
+        ("causal narrow 2x2048x8x128", (2, 2048, 2048, 8, 8, 128), bf16, dict(window=(40, 0))),
+        ("both sides 1x2048x4x128", (1, 2048, 2048, 4, 4, 128), bf16, dict(window=(300, 200))),
+        ("causal gqa ragged 2x3000x8(2)x64", (2, 3000, 3000, 8, 2, 64), f16,
+         dict(window=(777, 0))),
+        ("causal q shorter 1x1000:1500x4x128", (1, 1000, 1500, 4, 4, 128), bf16,
+         dict(window=(500, 0))),
+        ("q longer 1x1500:1000x4x128", (1, 1500, 1000, 4, 4, 128), bf16, dict(window=(100, 0))),
+        (f"causal clusters 1x{long}x4x128", (1, long, long, 4, 4, 128), bf16,
+         dict(window=(3000, 0))),
+        ("causal 1x2048x4x256", (1, 2048, 2048, 4, 4, 256), f16, dict(window=(1000, 0))),
+    ]:  # fmt: skip
+        causal = "causal" in name
+        feature(
+            f"window {kw['window']} {name}", *shape, dtype, variant="mosaic", causal=causal, **kw
+        )
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checks-only", action="store_true", help="no timing")
+    checks_only = parser.parse_args().checks_only
     dev = jax.devices()[0]
     log("device", dev.device_kind, getattr(dev, "compute_capability", "?"), "jax", jax.__version__)
     log("mosaic available():", _pallas_mosaic.available())
@@ -292,6 +322,10 @@ def main() -> None:
     feature("mask+dropout 512 d64 bf16", 2, 512, 640, 4, 4, 64, jnp.bfloat16,
             mask=(1, 4), dropout=0.1)  # fmt: skip
     feature("f32 d64 causal 512", 1, 512, 512, 4, 4, 64, jnp.float32, causal=True)
+    mosaic_windows()
+    if checks_only:
+        report(dev)
+        return
 
     F, B = FwdParams, BwdParams
     fwd_cfgs = [F(q_blocksize=128, kv_blocksize=128, num_warps=8, num_stages=s) for s in (2, 3)]
@@ -318,6 +352,10 @@ def main() -> None:
     timing("triton", False, F(q_blocksize=128, kv_blocksize=128, num_warps=4, num_stages=3),
            shape=small_d, parts="f")  # fmt: skip
 
+    report(dev)
+
+
+def report(dev: jax.Device) -> None:
     print("\n| item | status | numbers |\n|---|---|---|")
     for r in ROWS:
         nums = {

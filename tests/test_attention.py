@@ -701,7 +701,8 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    # Mosaic takes no window (see the next test); Triton, which would infer, is not native here
+    # A window follows the feature rule (the next test): at head dim 64 and 256 keys Pallas-Triton
+    # trains, and Triton, which would infer, is not native here
     window = heuristic(small, sliding_window=256)
     assert (window.platform, window.variant, window.inference) == ("pallas", "triton", None)
     elsewhere = heuristic(small, hopper=False)
@@ -709,6 +710,7 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
 
 
 _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn")
+_MOS = ("pallas", "mosaic")
 
 
 @pytest.mark.parametrize(
@@ -738,17 +740,19 @@ _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn
         (64, False, "window", _PT, _TRI),  # 128 keys seen, both sides
         (64, True, "window_511", _PT, _TRI),
         (64, True, "window_512", _TRI, _TRI),  # Triton trains from 512 keys
-        (64, True, "window_1024", _TRI, _TRI),
-        (64, True, "wide_window", _CUDNN, _TRI),  # cuDNN trains from 1025 keys
-        (64, True, "wider_window", _CUDNN, _CUDNN),  # the default order
-        (128, True, "window", _TRI, _TRI),
-        (128, True, "window_512", _CUDNN, _TRI),  # Triton trains up to 256 keys at D = 128
-        # cuDNN, which would train, refuses a window right of the diagonal: the default order trains
-        (128, False, "window_256_a_side", _PT, _TRI),
-        (64, False, "window_1024_a_side", _PT, _TRI),
-        (128, False, "window_512_a_side", _PT, _PT),  # 1024 keys seen: the default order
-        (128, True, "window_1024", _CUDNN, _CUDNN),
-        (256, True, "window", _CUDNN, _CUDNN),  # unmeasured above D = 128: the default order
+        (64, True, "window_1023", _TRI, _MOS),  # the Mosaic forward infers from 513 keys
+        (64, True, "window_1024", _MOS, _MOS),  # and trains from 1024
+        (64, True, "wide_window", _MOS, _MOS),
+        (64, True, "wider_window", _CUDNN, _MOS),  # cuDNN trains from 2049 keys
+        (128, True, "window", _MOS, _MOS),
+        (128, True, "window_512", _CUDNN, _MOS),  # Mosaic trains up to 256 keys at D = 128
+        # cuDNN, which would train, refuses a window right of the diagonal: the default order
+        # trains, the Mosaic forward on the portable backward
+        (128, False, "window_256_a_side", _MOS, _MOS),
+        (64, False, "window_1024_a_side", _MOS, _MOS),
+        (128, False, "window_512_a_side", _MOS, _MOS),
+        (128, True, "window_1024", _CUDNN, _MOS),
+        (256, True, "window", _CUDNN, _MOS),
     ],
 )
 def test_auto_on_hopper_orders_backends_by_feature(
@@ -759,7 +763,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
     inference: tuple[str, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Calls with a feature the Mosaic kernels refuse take the backends measured fastest with it
+    """Calls with a feature take the backends measured fastest with it
     (``_api._feature_backends``); on other GPUs, cuDNN where it can."""
     from ejkfn.attention import _api
 
@@ -798,6 +802,7 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "window_256_a_side": dict(sliding_window=256),
         "window_512_a_side": dict(sliding_window=512),
         "window_1024_a_side": dict(sliding_window=1024),
+        "window_1023": dict(sliding_window=(1023, 0)),
         "window_1024": dict(sliding_window=(1024, 0)),
         "wide_window": dict(sliding_window=(2048, 0)),
         "wider_window": dict(sliding_window=(2049, 0)),

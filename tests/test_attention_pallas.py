@@ -497,10 +497,21 @@ MOSAIC_CASES = {
         # 512: four CTAs; the causal union spans all four's diagonals, keys shorter than queries
         (Case(seq_q=512, seq_k=448, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True),
          512),
+        # Windows: a left edge, unmasked blocks between, the diagonal; narrower than a block
+        # (both edges in one); both sides; rows that see no key (queries past the keys' reach)
+        (Case(seq_q=448, seq_k=448, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True,
+              window=(150, 0)), 128),
+        (Case(seq_q=320, seq_k=384, dim=64, dtype=jnp.bfloat16, causal=True, window=(40, 7)), 128),
+        (Case(seq_q=384, seq_k=384, dim=80, dtype=jnp.bfloat16, window=(70, 130)), 128),
+        (Case(seq_q=384, seq_k=200, dim=64, dtype=jnp.float16, window=(20, 0)), 128),
+        (Case(seq_q=512, seq_k=512, heads=2, kv_heads=1, dim=64, dtype=jnp.float16, causal=True,
+              window=(200, 0)), 256),
     ],
     ids=[
         "f16_causal_gqa", "bf16_d80_q_longer", "bf16_negative_scale", "cluster_f16_causal_gqa",
-        "cluster_bf16_q_shorter", "cluster4_f16_causal_gqa",
+        "cluster_bf16_q_shorter", "cluster4_f16_causal_gqa", "window_causal_gqa",
+        "window_narrow_q_shorter", "window_both_sides_d80", "window_empty_rows",
+        "cluster_window_causal_gqa",
     ],
 )  # fmt: skip
 def test_mosaic_forward_in_gpu_interpreter(case, q_rows):
@@ -656,7 +667,6 @@ def test_mosaic_forward_refuses_other_query_rows(q_rows):
         (Case(dtype=jnp.bfloat16, dim=64, cap=3.0), "logits_soft_cap"),
         (Case(dtype=jnp.bfloat16, dim=64, segments=True), "segment_ids"),
         (Case(dtype=jnp.float32, dim=64), "float32"),
-        (Case(dtype=jnp.bfloat16, dim=64, window=(8, 8)), "sliding_window"),
         (Case(dtype=jnp.bfloat16, dim=320), "head dim"),
     ],
 )
@@ -671,6 +681,47 @@ def test_mosaic_refuses(case, match):
 
 
 MOSAIC_FWD = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
+
+
+def test_mosaic_window_trains_on_the_portable_backward():
+    """A window runs in the Mosaic forward; behind it trains the portable backward (the
+    heuristic's, the tuner's only candidates), and the Mosaic and cuDNN backward kernels refuse
+    it by name, in ``check`` and when called."""
+    case = Case(seq_q=256, seq_k=256, heads=2, kv_heads=1, dim=64, dtype=jnp.bfloat16,
+                causal=True, window=(90, 0))  # fmt: skip
+    _check(_pallas_mosaic, case, MOSAIC_FWD, BwdParams(q_blocksize=32, kv_blocksize=32))
+    x = _abstract_inputs(case)
+    shape = AttentionShape.of(x["q"], x["k"], case.spec)
+    assert _pallas_mosaic.heuristic(shape)[1] == _pallas_gpu.heuristic(shape)[1]
+    bwds = {bp.variant for _, bp in _pallas_mosaic.candidates(shape)}
+    assert bwds and bwds <= {None, *PORTABLE_VARIANTS}
+    plain = dataclasses.replace(case, window=None)
+    plain_shape = AttentionShape.of(x["q"], x["k"], plain.spec)
+    assert _pallas_mosaic.heuristic(plain_shape)[1].variant in _pallas_mosaic_bwd.VARIANTS
+    backend = backend_for("pallas", "mosaic")
+    args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
+    lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
+    for variant in (*_pallas_mosaic_bwd.VARIANTS, _pallas_mosaic.CUDNN_BWD):
+        bp = BwdParams(variant=variant)
+        backend.check(plain.spec, bwd=bp)
+        with pytest.raises(NotImplementedError, match=f"variant {variant!r}.*sliding_window"):
+            backend.check(case.spec, bwd=bp)
+        with pytest.raises(NotImplementedError, match=f"variant {variant!r}.*sliding_window"):
+            jax.eval_shape(
+                functools.partial(_pallas_mosaic.bwd, spec=case.spec, params=bp, interpret=False),
+                *args, x["q"], lse, x["q"],
+            )  # fmt: skip
+
+
+def test_mosaic_window_lowers_for_cuda():
+    """A window's forward lowers for a Hopper GPU with its portable backward, on the persistent
+    grid and on one cluster a tile (causal from ``ONE_TILE_CAUSAL_KEYS`` keys)."""
+    case = dataclasses.replace(MOSAIC_CASES["bf16_d128_causal_gqa"], window=(300, 0))
+    assert "mosaic_gpu" in _lower(_pallas_mosaic, case, H100, "cuda")
+    keys = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
+    long = dataclasses.replace(case, batch=1, seq_q=keys, seq_k=keys, heads=2, kv_heads=1)
+    fp = FwdParams(q_blocksize=256, kv_blocksize=128, num_stages=2)
+    assert "gpu.cluster_block_id" in _lower(_pallas_mosaic, long, H100, "cuda", fp=fp, bwd=False)
 
 
 def _mosaic_bwd(

@@ -424,7 +424,8 @@ def _hopper_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper where its first choice is ``training``; None: that
     backend's heuristic config as it is."""
-    if training.platform != "cudnn" or not _is_hopper():
+    # A window's backends were measured apart (_feature_backends); decoding ones were not.
+    if training.platform != "cudnn" or not _is_hopper() or shape.spec.window is not None:
         return None
     mosaic = backend_for(*_MOSAIC)
     if not _native(mosaic):
@@ -464,28 +465,31 @@ def _hopper_cfg(
 #   round); cuDNN refuses it (it would round it to 16 bits);
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
-# - a window (sixty-third round, after Triton's forward began to skip the masks between a window's
-#   edges; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128 and 2x8192x16x128 causal). At D = 64,
-#   Triton infers up to _TRITON_INFERS_WINDOW keys besides the diagonal (Pallas-Triton 0.94-1.00x
-#   at 128 to 2048 keys, cuDNN 0.80-0.96x; not causal, 256 and 512 a side, Pallas-Triton
-#   0.96-0.99x). It trains from _TRITON_TRAINS_WINDOW[0] keys, where its backward skips the masks
-#   too, to _TRITON_TRAINS_WINDOW[1] (Pallas-Triton 0.96-0.98x); Pallas-Triton trains narrower
-#   (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN 0.74-0.79x) and cuDNN wider (at 2048
-#   over two runs Triton 0.96-1.00x, Pallas-Triton 0.95-0.98x). Above D = 64 up to 128, Triton
-#   infers up to _TRITON_INFERS_WIDE_WINDOW keys (cuDNN 0.90-0.91x at 256, 0.99-1.00x at 512) and
-#   trains up to _TRITON_TRAINS_WIDE_WINDOW (cuDNN 0.96-0.99x at 256); cuDNN trains wider (Triton
-#   0.93-0.94x at 512), and trains and infers from 1024 keys (Triton 0.83-0.93x forward, sixty-second
-#   and sixty-third rounds).
+# - a window (sixty-third and sixty-fourth rounds; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128,
+#   2x8192x16x128 and 2x4096x8x256 causal, 4x4096x16x128 not causal; keys seen besides the
+#   diagonal). The Mosaic forward takes a window, with the portable backward behind it. At D = 64,
+#   Triton infers up to _TRITON_INFERS_WINDOW keys (Pallas-Triton 0.94-1.00x, the Mosaic forward
+#   0.81x at 256 and 0.96x at 512, cuDNN 0.80-0.96x) and the Mosaic forward wider (Triton
+#   0.95-0.97x at 1024 and 2048, cuDNN 0.89x at 4096). Pallas-Triton trains below
+#   _TRITON_TRAINS_WINDOW[0] keys (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN
+#   0.74-0.80x), Triton from there, where its backward skips the masks too (Pallas-Triton 0.99x,
+#   Mosaic 0.96x at 512), the Mosaic forward on Pallas-Triton's backward from
+#   _TRITON_TRAINS_WINDOW[1] to _MOSAIC_TRAINS_WINDOW (Triton 0.97-0.98x, cuDNN 0.93-0.97x at 1024
+#   and 2048) and cuDNN wider (Mosaic 0.96x at 4096). Above D = 64 the Mosaic forward infers at
+#   every width (Triton 0.77-0.95x at 128 to 4096 keys, 0.75-0.82x not causal; cuDNN 0.77-0.92x,
+#   0.89x at D = 256). Up to D = 128 it trains up to _MOSAIC_TRAINS_WIDE_WINDOW keys (Triton 0.95x,
+#   cuDNN 0.92x at 256; Triton 1.01x at 128) and cuDNN wider (Mosaic 0.90-0.96x at 1024 and
+#   4096; at D = 256 0.48x).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
-_TRITON_INFERS_WINDOW = 2048
+_TRITON_INFERS_WINDOW = 512
 _TRITON_TRAINS_WINDOW = (512, 1024)
-_TRITON_INFERS_WIDE_WINDOW = 512
-_TRITON_TRAINS_WIDE_WINDOW = 256
+_MOSAIC_TRAINS_WINDOW = 2048
+_MOSAIC_TRAINS_WIDE_WINDOW = 256
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
 # for its forward+backward (causal), to lead XLA's, as (up to head dim, keys) pairs; none above
 # the last head dim (measured apart from the bf16 window rule).
@@ -524,13 +528,22 @@ def _feature_backends(
     seen = spec.window_keys
     if seen is None:
         return None
-    if not wide and seen <= _TRITON_INFERS_WINDOW:
-        low, high = _TRITON_TRAINS_WINDOW
-        training = _PALLAS_TRITON if seen < low else _TRITON if seen <= high else _CUDNN
-        return training, _TRITON
-    if shape.head_dim <= 128 and seen <= _TRITON_INFERS_WIDE_WINDOW:
-        return (_TRITON if seen <= _TRITON_TRAINS_WIDE_WINDOW else _CUDNN), _TRITON
-    return None
+    if not wide:
+        inference = _TRITON if seen <= _TRITON_INFERS_WINDOW else _MOSAIC
+        return _head_dim_64_window_training(seen), inference
+    narrow = shape.head_dim <= 128 and seen <= _MOSAIC_TRAINS_WIDE_WINDOW
+    return (_MOSAIC if narrow else _CUDNN), _MOSAIC
+
+
+def _head_dim_64_window_training(seen: int) -> tuple[str, str]:
+    """The backend that trains a bf16 window whose queries see ``seen`` keys at head dims up to 64
+    (``_TRITON_TRAINS_WINDOW`` is half-open)."""
+    low, high = _TRITON_TRAINS_WINDOW
+    if seen < low:
+        return _PALLAS_TRITON
+    if seen < high:
+        return _TRITON
+    return _MOSAIC if seen <= _MOSAIC_TRAINS_WINDOW else _CUDNN
 
 
 def _float32_pallas_first(shape: AttentionShape) -> bool:

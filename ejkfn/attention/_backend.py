@@ -328,6 +328,9 @@ class AttentionBackend:
         devices: device kinds where it runs natively (elsewhere only in an interpreter, for tests).
         fwd, bwd: the contract's functions; both take ``spec=``, ``params=`` and ``interpret=``.
         unsupported: feature names (``AttentionSpec.features``) it refuses.
+        bwd_unsupported: ``(BwdParams.variant, feature names)`` pairs: what a backward variant
+            refuses besides ``unsupported`` (the Mosaic forward takes a window, its own backward
+            kernels do not).
         heuristic: params for a shape, without measuring.
         candidates: params the tuner may try for a shape (already filtered to ones that can work).
         available: whether it can run on this device at all (e.g. cuDNN needs a GPU).
@@ -344,6 +347,7 @@ class AttentionBackend:
     fwd: Callable[..., tuple[jax.Array, jax.Array]]
     bwd: Callable[..., tuple[Any, Any, Any, Any]]
     unsupported: frozenset[str] = frozenset()
+    bwd_unsupported: tuple[tuple[str, frozenset[str]], ...] = ()
     heuristic: Callable[[AttentionShape], tuple[FwdParams, BwdParams]]
     candidates: Callable[[AttentionShape], Sequence[tuple[FwdParams, BwdParams]]]
     available: Callable[[], bool] = lambda: True
@@ -353,13 +357,20 @@ class AttentionBackend:
     def check(
         self, spec: AttentionSpec, fwd: FwdParams | None = None, bwd: BwdParams | None = None
     ) -> None:
-        """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend lacks,
-        or ``fwd``'s or ``bwd``'s key split where it does not split."""
+        """Raise ``NotImplementedError`` naming the first feature of ``spec`` this backend (or
+        ``bwd``'s variant) lacks, or ``fwd``'s or ``bwd``'s key split where it does not split."""
         missing = sorted(spec.features & self.unsupported)
         if missing:
             raise NotImplementedError(
                 f"platform {self.platform!r} ({self.variant}) does not support {', '.join(missing)}"
             )
+        for variant, features in self.bwd_unsupported:
+            missing = sorted(spec.features & features)
+            if bwd is not None and bwd.variant == variant and missing:
+                raise NotImplementedError(
+                    f"platform {self.platform!r} ({self.variant}) backward variant {variant!r} "
+                    f"does not support {', '.join(missing)}"
+                )
         for name, params in (("fwd", fwd), ("bwd", bwd)):
             if params is not None and params.kv_splits > 1 and not self.splits_keys:
                 raise NotImplementedError(

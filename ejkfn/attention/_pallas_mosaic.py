@@ -27,7 +27,12 @@ every CTA instead (``_mosaic_grid.SplitTail``) and each split tile's pieces merg
 by their softmax sums (1-2% on an H200 where the last round idled most CTAs).
 Causal attention skips key blocks past the diagonal: a warpgroup stops computing at its own last
 visible block and only acknowledges the rest (which its neighbour still needs), so barrier phases
-stay in step. Blocks wholly below the diagonal take an unmasked path.
+stay in step. Blocks wholly below the diagonal take an unmasked path. A sliding window streams a
+tile's blocks from the first its first row sees; a warpgroup acknowledges the leading blocks only
+its neighbour's rows see, masks the window's left edge, runs the blocks between the edges unmasked
+and masks the right edge (the diagonal, or the window's right side). On an H200 this forward ran
+1.09-1.20x cuDNN's with a causal window at head dim 128 from 512 to 4096 keys (1.27-1.35x at 128 and
+256) and 1.13x at head dim 256 (benchmarks/NOTES.md, sixty-fourth round).
 
 On a CPU the kernel runs in Mosaic GPU's interpreter, which simulates the warpgroups, barriers and TMA
 but takes wgmma operands only from shared memory and cannot run ``pl.run_state`` with accumulators;
@@ -43,11 +48,12 @@ GPU, ``seq_q == seq_k`` where causal); or ``None``, the Triton-lowering kernels 
 :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The heuristic takes
 ``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 2048 keys or more
 at head dim 64 and 4096 above (there without GQA; faster there on an H200), else ``"mosaic"`` where
-it can; the tuner tries them all.
+it can; the tuner tries them all. With a sliding window only the portable backward trains (the
+others refuse it: ``AttentionBackend.bwd_unsupported``).
 
-Supported: causal, GQA/MQA, softmax scale, any sequence lengths (padded to blocks, masked by the true
-key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16. Refused with
-``NotImplementedError``: bias, mask, segment ids, sliding window, soft cap, dropout, float32.
+Supported: causal, sliding windows, GQA/MQA, softmax scale, any sequence lengths (padded to blocks,
+masked by the true key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16.
+Refused with ``NotImplementedError``: bias, mask, segment ids, soft cap, dropout, float32.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from ._backend import (
     PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
+    on_host,
     register_backend,
 )
 from ._mosaic_grid import (
@@ -80,6 +87,7 @@ from ._mosaic_grid import (
     Rounds,
     SplitTail,
     feed_ring,
+    first_key_block,
     full_key_blocks,
     hardware_barrier,
     key_blocks,
@@ -99,8 +107,12 @@ CTA_ROWS = WG_ROWS * COMPUTE_WGS
 # Per-thread registers of the compute and memory warpgroups. The backward's 240/24 measured the same
 # within noise on an H200 (benchmarks/results/mosaic_forward_registers_ab_h200.txt).
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
-_UNSUPPORTED = frozenset(
-    {"bias", "attention_mask", "segment_ids", "sliding_window", "logits_soft_cap", "dropout"}
+_UNSUPPORTED = frozenset({"bias", "attention_mask", "segment_ids", "logits_soft_cap", "dropout"})
+# A window is the forward's alone: behind it trains the portable backward (BwdParams.variant None
+# or PORTABLE_VARIANTS).
+_BWD_UNSUPPORTED = tuple(
+    (variant, frozenset({"sliding_window"}))
+    for variant in (*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD)
 )
 # Shared memory for our buffers: Mosaic's barriers and alignment took a further 2.6 KB of the 227 KB
 # on an H200 (the 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes in all).
@@ -193,10 +205,23 @@ class _Geom:
     balanced: bool = True  # the persistent grid's CTA count chosen for its busiest CTA's work
     split_tail: bool = True  # tiles of equal work: the last round's spread over every CTA
     one_memory_warp: bool = True  # the memory warpgroup's other three warps idle at its end
+    window: tuple[int, int] | None = None  # (left, right) keys about each query's position
 
     @property
     def offset(self) -> int:
         return self.seq_k - self.seq_q
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a row's keys end before the last (causal, or a window's right side)."""
+        return self.causal or self.window is not None
+
+    @property
+    def reach(self) -> int:
+        """How far past its row the last key a bounded row sees lies: the offset, and a window's
+        right side where not causal (the causal mask cuts it at the diagonal)."""
+        right = self.window[1] if self.window is not None and not self.causal else 0
+        return self.offset + right
 
     @property
     def fold_scale(self) -> bool:
@@ -219,7 +244,7 @@ class _Geom:
         """Without a mask every tile sees every key block, and a last round of fewer tiles than
         CTAs would leave the rest idle: its key blocks are dealt out to every CTA instead, each
         CTA's pieces merged after the kernel (:func:`_merge_tail`)."""
-        if not (self.split_tail and self.persistent) or self.causal or self.cluster > 1:
+        if not (self.split_tail and self.persistent) or self.bounded or self.cluster > 1:
             return None
         blocks = -(-self.seq_k // self.bk)
         if blocks < MIN_SPLIT_BLOCKS or self.dpad < MIN_SPLIT_HEAD_DIM:
@@ -240,9 +265,10 @@ class _Geom:
 
     def tile_work(self) -> np.ndarray:
         """Each tile's key blocks plus one (its epilogue), in work-item order."""
+        first = (lambda base: self.blocks_of(base)[0]) if self.window is not None else None
         return query_tiles_work(
             self.steps, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
-            self.along_sequence,
+            self.along_sequence, first,
         )  # fmt: skip
 
     @property
@@ -264,8 +290,8 @@ class _Geom:
 
     def item(self, cluster: Any, t: Any) -> tuple[Any, Any, Any]:
         """(work item, first key block, end key block) of ``cluster``'s ``t``-th tile."""
-        if self.tail is None:
-            return self.rounds.index(cluster, t), 0, None
+        if self.tail is None:  # the first key block follows from the tile's rows (tile_of)
+            return self.rounds.index(cluster, t), None, None
         piece = self.tail_piece(t)
         index, first, stop = self.tail.piece_of(cluster, jnp.maximum(piece, 0))
         whole = piece < 0
@@ -286,11 +312,31 @@ class _Geom:
 
     def steps(self, last_row: Any) -> Any:
         """Key blocks that rows up to ``last_row`` see (:func:`._mosaic_grid.key_blocks`)."""
-        return key_blocks(last_row, self.seq_k, self.offset, self.bk, self.causal)
+        return key_blocks(last_row, self.seq_k, self.reach, self.bk, self.bounded)
 
     def full_steps(self, first_row: Any, steps: Any) -> Any:
-        """Leading key blocks fully visible to every row from ``first_row`` on (no mask needed)."""
-        return full_key_blocks(first_row, steps, self.seq_k, self.offset, self.bk, self.causal)
+        """Key blocks up to which every row from ``first_row`` on sees whole ones (no mask needed
+        on the right)."""
+        return full_key_blocks(first_row, steps, self.seq_k, self.reach, self.bk, self.bounded)
+
+    def blocks_of(self, cluster_base: Any) -> tuple[Any, Any]:
+        """(first, end) key block a cluster's tile from row ``cluster_base`` streams."""
+        stop = self.steps(cluster_base + self.cluster_rows - 1)
+        if self.window is None:
+            return 0, stop
+        xp = np if on_host(cluster_base) else jnp
+        return xp.minimum(self.first_step(cluster_base), stop), stop
+
+    def first_step(self, first_row: Any) -> Any:
+        """The first key block that rows from ``first_row`` on see through the window."""
+        assert self.window is not None
+        return first_key_block(first_row, self.offset, self.window[0], self.bk)
+
+    def full_from(self, last_row: Any) -> Any:
+        """The first key block from which every row up to ``last_row`` sees whole ones through the
+        window (no mask needed on the left)."""
+        assert self.window is not None
+        return first_key_block(last_row, self.offset, self.window[0], self.bk, round_up=True)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
@@ -313,7 +359,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
         index, first, stop = g.item(cta, t)
         b, h, cluster_base = g.tile_of(index)
         if stop is None:
-            stop = g.steps(cluster_base + g.cluster_rows - 1)
+            first, stop = g.blocks_of(cluster_base)
         return b, h, cluster_base + rank * CTA_ROWS, first, stop
 
     def slot_of(step: Any) -> Any:
@@ -359,11 +405,21 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
             b, h, cta_base, first, cta_steps = tile(t)
             ring_base = first_step - first  # block kv's ring slot: slot_of(ring_base + kv)
             q_base = cta_base + wg * WG_ROWS
-            steps = jnp.minimum(g.steps(q_base + WG_ROWS - 1), cta_steps)
-            full = jnp.maximum(g.full_steps(q_base, steps), first)
+            q_last = q_base + WG_ROWS - 1
+            # This warpgroup's blocks [start, steps) of the CTA's [first, cta_steps): the left edge
+            # masked to `left`, whole blocks to `right`, then the right edge (the diagonal) masked.
+            if g.window is None:
+                steps = jnp.minimum(g.steps(q_last), cta_steps)
+                start = left = first
+                right = jnp.maximum(g.full_steps(q_base, steps), first)
+            else:
+                steps = jnp.clip(g.steps(q_last), first, cta_steps)
+                start = jnp.clip(g.first_step(q_base), first, steps)
+                right = jnp.maximum(g.full_steps(q_base, steps), start)
+                left = jnp.clip(g.full_from(q_last), start, right)
             plgpu.barrier_wait(q_ready.at[wg])
 
-            def step(kv: Any, carry: Any, masked: bool) -> Any:
+            def step(kv: Any, carry: Any, masked: str | None) -> Any:
                 acc, m, den = carry
                 slot = slot_of(ring_base + kv)
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -386,9 +442,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                     rows = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
                     cols = cols + kv * bk
-                    ok = cols < g.seq_k
-                    if g.causal:
-                        ok = ok & (cols <= rows + (q_base + g.offset))
+                    ok = None
+                    if masked == "right":  # the key length, the diagonal or a window's right side
+                        ok = cols < g.seq_k
+                        if g.bounded:
+                            ok = ok & (cols <= rows + (q_base + g.reach))
+                    if g.window is not None:  # a narrow window's right edge may be its left too
+                        seen = cols >= rows + (q_base + g.offset - g.window[0])
+                        ok = seen if ok is None else ok & seen
                     s = jnp.where(ok, s, -jnp.inf)
                 # With a positive scale the raw scores' row max, scaled, is the scaled scores', and
                 # scaling inside exp2's argument makes one fused multiply-add per score.
@@ -441,8 +502,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs: Any, g: _Geom) -> None:
                     jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
                 ),
             )
-            carry = lax.fori_loop(first, full, functools.partial(step, masked=False), carry)
-            acc, m, den = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if g.window is not None:  # blocks only the other warpgroup's rows see, then the edge
+                lax.fori_loop(first, start, acknowledge, None)
+                carry = lax.fori_loop(start, left, functools.partial(step, masked="left"), carry)
+            carry = lax.fori_loop(left, right, functools.partial(step, masked=None), carry)
+            acc, m, den = lax.fori_loop(
+                right, steps, functools.partial(step, masked="right"), carry
+            )
             lax.fori_loop(steps, cta_steps, acknowledge, None)
             if g.out_buffer:  # the last product has read Q: fetch the next tile's meanwhile
                 pl.when(t + 1 < my_tiles)(functools.partial(load_q, t + 1))
@@ -601,6 +667,7 @@ def _forward(
         balanced=balanced,
         split_tail=split_tail,
         one_memory_warp=one_memory_warp,
+        window=spec.window,
     )
 
     def pad(x: Any, seq: int) -> Any:
@@ -725,6 +792,7 @@ def bwd(
     """
     _refuse(spec, q, k)
     params = params or heuristic(AttentionShape.of(q, k, spec))[1]
+    BACKEND.check(spec, bwd=params)
     if params.variant in _pallas_mosaic_bwd.VARIANTS:
         dq, dk, dv = _pallas_mosaic_bwd.bwd(
             q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
@@ -818,7 +886,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     rows = 2 * CTA_ROWS if _clustered(shape) else CTA_ROWS
     fp = FwdParams(q_blocksize=rows, kv_blocksize=bk, num_warps=12, num_stages=slots)
     split = _mosaic_bwd(shape)
-    if split is None:
+    if split is None or shape.spec.window is not None:
         return fp, _pallas_gpu.heuristic(shape)[1]
     fused = _fused_bwd(shape, split)
     # Causal with GQA the fused kernel led the split at head dim 64, not at 128 (0.99x; docstring).
@@ -879,7 +947,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         if other not in out:
             out.append(other)
     bwds: list[BwdParams] = []
-    base = _mosaic_bwd(shape)
+    base = _mosaic_bwd(shape) if shape.spec.window is None else None
     if base is not None:
         blocks = [
             dataclasses.replace(base, kv_blocksize=key_rows, num_stages=stages)
@@ -894,7 +962,8 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         fused = _fused_bwd(shape, base)
         if fused:
             bwds.append(fused)
-    if _cudnn.available() and not (shape.spec.causal and shape.seq_q != shape.seq_k):
+    misaligned = shape.spec.causal and shape.seq_q != shape.seq_k  # cuDNN's diagonal: top-left
+    if _cudnn.available() and not misaligned and shape.spec.window is None:
         bwds.append(BwdParams(variant=CUDNN_BWD))
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
@@ -911,6 +980,7 @@ BACKEND = register_backend(
         fwd=fwd,
         bwd=bwd,
         unsupported=_UNSUPPORTED,
+        bwd_unsupported=_BWD_UNSUPPORTED,
         heuristic=heuristic,
         candidates=candidates,
         available=available,
