@@ -711,6 +711,7 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
 
 _PT, _TRI, _CUDNN = ("pallas", "triton"), ("triton", "triton"), ("cudnn", "cudnn")
 _MOS = ("pallas", "mosaic")
+_MOS_CUDNN = ("pallas", "mosaic", "cudnn")  # the Mosaic forward on cuDNN's backward kernel
 
 
 @pytest.mark.parametrize(
@@ -743,16 +744,17 @@ _MOS = ("pallas", "mosaic")
         (64, True, "window_1023", _TRI, _MOS),  # the Mosaic forward infers from 513 keys
         (64, True, "window_1024", _MOS, _MOS),  # and trains from 1024
         (64, True, "wide_window", _MOS, _MOS),
-        (64, True, "wider_window", _CUDNN, _MOS),  # cuDNN trains from 2049 keys
+        # cuDNN's pair is faster from 2049 keys; the Mosaic forward on cuDNN's backward kernel more
+        (64, True, "wider_window", _MOS_CUDNN, _MOS),
         (128, True, "window", _MOS, _MOS),
-        (128, True, "window_512", _CUDNN, _MOS),  # Mosaic trains up to 256 keys at D = 128
+        (128, True, "window_512", _MOS_CUDNN, _MOS),  # Mosaic's pair trains up to 256 keys
         # cuDNN, which would train, refuses a window right of the diagonal: the default order
         # trains, the Mosaic forward on the portable backward
         (128, False, "window_256_a_side", _MOS, _MOS),
         (64, False, "window_1024_a_side", _MOS, _MOS),
         (128, False, "window_512_a_side", _MOS, _MOS),
-        (128, True, "window_1024", _CUDNN, _MOS),
-        (256, True, "window", _CUDNN, _MOS),
+        (128, True, "window_1024", _MOS_CUDNN, _MOS),
+        (256, True, "window", _CUDNN, _MOS),  # even on cuDNN's backward kernel
     ],
 )
 def test_auto_on_hopper_orders_backends_by_feature(
@@ -812,7 +814,8 @@ def test_auto_on_hopper_orders_backends_by_feature(
     inv = ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **options)
     monkeypatch.setattr(_api, "_is_hopper", lambda: True)
     cfg = kernel.heuristic_cfg(inv)
-    assert (cfg.platform, cfg.variant) == training
+    assert (cfg.platform, cfg.variant) == training[:2]
+    assert (cfg.bwd.variant == "cudnn") == (training == _MOS_CUDNN)
     infers = cfg.inference or cfg
     assert (infers.platform, infers.variant) == inference
     monkeypatch.setattr(_api, "_is_hopper", lambda: False)

@@ -616,8 +616,21 @@ def test_mosaic_forward_with_cudnn_backward(monkeypatch):
     text = jax.jit(bwd).trace(q, k, v, q, lse, q).lower(lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "cudnn$" in line]
     assert len(calls) == 1 and "Backward" in calls[0], calls
+    # A window rides on cuDNN's causal mask, as its own forward takes it: keys seen, own included
+    for window in ((100, 0), (100, 20)):
+        windowed = dataclasses.replace(case.spec, window=window)
+        text = (
+            jax.jit(functools.partial(bwd, spec=windowed))
+            .trace(q, k, v, q, lse, q)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert "\\22sliding_window_length\\22: 101" in text and "CAUSAL" in text.upper(), window
+    looks_right = dataclasses.replace(case.spec, causal=False, window=(100, 20))
+    with pytest.raises(NotImplementedError, match="right of the diagonal"):
+        jax.eval_shape(functools.partial(_cudnn.residual_bwd, spec=looks_right), q, k, v, q, lse, q)
     masked = dataclasses.replace(case.spec, has_mask=True)
-    with pytest.raises(NotImplementedError, match="causal or unmasked"):
+    with pytest.raises(NotImplementedError, match="causal, unmasked or sliding-window"):
         jax.eval_shape(functools.partial(_cudnn.residual_bwd, spec=masked), q, k, v, q, lse, q)
     shorter = jax.ShapeDtypeStruct((case.batch, case.seq_q // 2, case.heads, case.dim), q.dtype)
     with pytest.raises(NotImplementedError, match="needs seq_q == seq_k"):
@@ -685,8 +698,8 @@ MOSAIC_FWD = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
 
 def test_mosaic_window_trains_on_the_portable_backward():
     """A window runs in the Mosaic forward; behind it trains the portable backward (the
-    heuristic's, the tuner's only candidates), and the Mosaic and cuDNN backward kernels refuse
-    it by name, in ``check`` and when called."""
+    heuristic's; the tuner's candidates, with cuDNN's where it runs), and the Mosaic backward
+    kernels refuse it by name, in ``check`` and when called."""
     case = Case(seq_q=256, seq_k=256, heads=2, kv_heads=1, dim=64, dtype=jnp.bfloat16,
                 causal=True, window=(90, 0))  # fmt: skip
     _check(_pallas_mosaic, case, MOSAIC_FWD, BwdParams(q_blocksize=32, kv_blocksize=32))
@@ -701,7 +714,8 @@ def test_mosaic_window_trains_on_the_portable_backward():
     backend = backend_for("pallas", "mosaic")
     args = [x[n] for n in ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")]
     lse = jax.ShapeDtypeStruct((case.batch, case.heads, case.seq_q), jnp.float32)
-    for variant in (*_pallas_mosaic_bwd.VARIANTS, _pallas_mosaic.CUDNN_BWD):
+    backend.check(case.spec, bwd=BwdParams(variant=_pallas_mosaic.CUDNN_BWD))
+    for variant in _pallas_mosaic_bwd.VARIANTS:
         bp = BwdParams(variant=variant)
         backend.check(plain.spec, bwd=bp)
         with pytest.raises(NotImplementedError, match=f"variant {variant!r}.*sliding_window"):

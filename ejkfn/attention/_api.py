@@ -444,10 +444,11 @@ def _hopper_cfg(
     return None
 
 
-# Calls with a feature that the Mosaic kernels refuse, on Hopper: the backends that train and infer
-# fastest, measured by benchmarks/features_gpu.py on an H200 (bf16, causal unless said; D is the
-# head dim; results/features_NVIDIA_H200_20261128-*.json and 20261129-*.json, benchmarks/NOTES.md,
-# forty-eighth and fiftieth rounds). Each ratio is to the fastest of the reading:
+# Calls with a feature that the Mosaic kernels refuse, or a window (only the Mosaic forward takes
+# it), on Hopper: the backends that train and infer fastest, measured by benchmarks/features_gpu.py
+# on an H200 (bf16, causal unless said; D is the head dim; results/features_NVIDIA_H200_20261128-*
+# and 20261129-*.json, benchmarks/NOTES.md, forty-eighth and fiftieth rounds). Each ratio is to the
+# fastest of the reading:
 # - a soft cap: Triton (Pallas-Triton 0.92-0.93x at D = 64 on both kernels' feature blocks,
 #   0.82-0.98x before them; forward 0.91x at 4x4096x16x128);
 # - segment ids: Triton above D = 64 (Pallas-Triton 0.84-0.87x to train); Pallas-Triton at 64,
@@ -479,7 +480,8 @@ def _hopper_cfg(
 #   every width (Triton 0.77-0.95x at 128 to 4096 keys, 0.75-0.82x not causal; cuDNN 0.77-0.92x,
 #   0.89x at D = 256). Up to D = 128 it trains up to _MOSAIC_TRAINS_WIDE_WINDOW keys (Triton 0.95x,
 #   cuDNN 0.92x at 256; Triton 1.01x at 128) and cuDNN wider (Mosaic 0.90-0.96x at 1024 and
-#   4096; at D = 256 0.48x).
+#   4096; at D = 256 0.48x). Where cuDNN trains and the Mosaic forward infers, training takes the
+#   Mosaic forward on cuDNN's backward kernel up to D = 128 (_window_on_cudnn_backward).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
@@ -490,6 +492,7 @@ _TRITON_INFERS_WINDOW = 512
 _TRITON_TRAINS_WINDOW = (512, 1024)
 _MOSAIC_TRAINS_WINDOW = 2048
 _MOSAIC_TRAINS_WIDE_WINDOW = 256
+_WINDOW_CUDNN_BACKWARD_HEAD_DIM = 128
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
 # for its forward+backward (causal), to lead XLA's, as (up to head dim, keys) pairs; none above
 # the last head dim (measured apart from the bf16 window rule).
@@ -643,6 +646,8 @@ def _feature_cfg(
         else:
             cfgs.append(_config(backend, params))
     training, inference = cfgs
+    if training is not None and inference is not None:
+        training, inference = _window_on_cudnn_backward(shape, args, kwargs, training, inference)
     if training is None and inference is None:
         return None
     if training is None:
@@ -650,6 +655,28 @@ def _feature_cfg(
     if inference is None or inference == training:  # a forward the training backend can do
         return training
     return dataclasses.replace(training, inference=inference)
+
+
+def _window_on_cudnn_backward(
+    shape: AttentionShape,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    training: AttentionConfig,
+    inference: AttentionConfig,
+) -> tuple[AttentionConfig, AttentionConfig | None]:
+    """A window that trains on cuDNN and infers on the Mosaic forward, at head dims up to
+    ``_WINDOW_CUDNN_BACKWARD_HEAD_DIM``: both on the Mosaic forward and cuDNN's backward kernel fed
+    its residuals, where that can do the call. On an H200 it trained 1.02-1.06x cuDNN's pair at
+    4x4096x16x128 causal with 512 to 4096 keys and at 2x8192x16x128 with 2048, and at head dim 256
+    even (0.99x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json)."""
+    pairs = ((training.platform, training.variant), (inference.platform, inference.variant))
+    if pairs != (_CUDNN, _MOSAIC) or shape.head_dim > _WINDOW_CUDNN_BACKWARD_HEAD_DIM:
+        return training, inference
+    mosaic = backend_for(*_MOSAIC)
+    params = (inference.fwd, BwdParams(variant=_backend.CUDNN_BWD))
+    if _refusal(mosaic, shape, args, kwargs, params) is not None:
+        return training, inference
+    return _config(mosaic, params), None
 
 
 def _native(backend: AttentionBackend) -> bool:

@@ -191,15 +191,16 @@ def residual_bwd(
     spec: AttentionSpec,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(dq, dk, dv)`` from cuDNN's backward kernel, fed another forward's ``out`` and natural-log
-    ``lse [B, H, Sq]`` (float32), as cuDNN's own forward would have left them. Only causal or unmasked
-    attention: no bias, mask or window, every row seeing a key (a ``-inf`` lse would make NaNs).
+    ``lse [B, H, Sq]`` (float32), as cuDNN's own forward would have left them. Only causal, unmasked or
+    sliding-window attention (a window as cuDNN's own forward takes it): no bias or mask, every row
+    seeing a key (a ``-inf`` lse would make NaNs).
 
     It binds the primitive under ``jax.nn.dot_product_attention`` (``jax._src.cudnn``; jax is pinned),
     so no forward reruns, unlike :func:`_bwd`'s ``jax.vjp``."""
-    if spec.has_bias or spec.has_mask or spec.window is not None:
+    if spec.has_bias or spec.has_mask:
         raise NotImplementedError(
-            "cuDNN's backward on another forward's residuals takes causal or unmasked attention "
-            f"only; got {spec!r}"
+            "cuDNN's backward on another forward's residuals takes causal, unmasked or "
+            f"sliding-window attention only; got {spec!r}"
         )
     _check(q, k, spec, interpret=False)
     # jax's internals, imported only where this variant runs: a change there breaks it alone.
@@ -208,13 +209,16 @@ def residual_bwd(
     dim = q.shape[-1]
     q, k, v, out, dout = _pad_head_dim(q, k, v, out, dout)  # gradients' extra columns sliced off
     unused = jnp.zeros(0, dtype=q.dtype)
-    mask_type = cudnn_attention.MaskType.CAUSAL if spec.causal else cudnn_attention.MaskType.NO_MASK
+    causal, sliding = spec.causal, None
+    if spec.window is not None:  # as _attention: the window's left side on cuDNN's causal mask
+        causal, sliding = True, spec.window[0] + 1  # keys a row sees, its own included
+    mask_type = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
     dq, dk, dv = cudnn_attention._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused, unused, unused, unused, unused, unused, unused,
         lse.astype(jnp.float32), out.astype(q.dtype), dout.astype(q.dtype),
         scale=spec.scale, seed=0, dropout_rate=0.0, variadic_args=(False, False),
         mask_type=mask_type, layout=cudnn_attention.AttentionLayout.BTNH.value,
-        sliding_window_length=None,
+        sliding_window_length=sliding,
     )  # fmt: skip
     return dq[..., :dim], dk[..., :dim], dv[..., :dim]
 

@@ -216,24 +216,25 @@ def query_tile(
     return b, h, ((q_tiles - 1) - rank if causal else rank) * rows
 
 
-def key_blocks(last_row: Any, seq_k: int, offset: int, block: int, causal: bool) -> Any:
-    """Key blocks (of ``block`` keys) that query rows up to ``last_row`` see; causal rows see keys
-    up to their own plus ``offset`` (``seq_k - seq_q``: bottom-right aligned). Inside a kernel, or
-    on numpy arrays (the grid planned on the host)."""
+def key_blocks(last_row: Any, seq_k: int, offset: int, block: int, bounded: bool) -> Any:
+    """Key blocks (of ``block`` keys) that query rows up to ``last_row`` see; ``bounded`` rows see
+    keys up to their own plus ``offset`` (causal: ``seq_k - seq_q``, bottom-right aligned; a
+    window's right side adds to it). Inside a kernel, or on numpy arrays (the grid planned on the
+    host)."""
     xp = np if on_host(last_row) else jnp
     last = xp.int32(seq_k - 1)
-    if causal:
+    if bounded:
         last = xp.minimum(last, last_row + offset)
     return tile_div(xp.maximum(last + 1, 0) + (block - 1), block)
 
 
 def full_key_blocks(
-    first_row: Any, steps: Any, seq_k: int, offset: int, block: int, causal: bool
+    first_row: Any, steps: Any, seq_k: int, offset: int, block: int, bounded: bool
 ) -> Any:
     """Of the ``steps`` blocks a tile sees, the leading ones that every row from ``first_row`` on
-    sees whole (no mask needed)."""
+    sees whole (no mask needed; ``offset`` and ``bounded`` as :func:`key_blocks` takes them)."""
     last = jnp.int32(seq_k - 1)
-    if causal:
+    if bounded:
         last = jnp.minimum(last, first_row + offset)
     return jnp.minimum(lax.div(jnp.maximum(last + 1, 0), block), steps)
 

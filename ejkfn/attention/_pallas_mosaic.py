@@ -48,8 +48,8 @@ GPU, ``seq_q == seq_k`` where causal); or ``None``, the Triton-lowering kernels 
 :mod:`._pallas_gpu` (FlashAttention 2 without atomics, every head dim). The heuristic takes
 ``"mosaic_fused"`` where it fits and nothing is masked, or the mask is causal over 2048 keys or more
 at head dim 64 and 4096 above (there without GQA; faster there on an H200), else ``"mosaic"`` where
-it can; the tuner tries them all. With a sliding window only the portable backward trains (the
-others refuse it: ``AttentionBackend.bwd_unsupported``).
+it can; the tuner tries them all. With a sliding window the portable backward trains, or cuDNN's
+kernel (the Mosaic kernels refuse it: ``AttentionBackend.bwd_unsupported``).
 
 Supported: causal, sliding windows, GQA/MQA, softmax scale, any sequence lengths (padded to blocks,
 masked by the true key length), head dims padded to a multiple of 64 up to 256, float16 and bfloat16.
@@ -108,11 +108,9 @@ CTA_ROWS = WG_ROWS * COMPUTE_WGS
 # within noise on an H200 (benchmarks/results/mosaic_forward_registers_ab_h200.txt).
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40
 _UNSUPPORTED = frozenset({"bias", "attention_mask", "segment_ids", "logits_soft_cap", "dropout"})
-# A window is the forward's alone: behind it trains the portable backward (BwdParams.variant None
-# or PORTABLE_VARIANTS).
+# A window trains on the portable backward or cuDNN's backward kernel, not on the Mosaic ones.
 _BWD_UNSUPPORTED = tuple(
-    (variant, frozenset({"sliding_window"}))
-    for variant in (*_pallas_mosaic_bwd.VARIANTS, CUDNN_BWD)
+    (variant, frozenset({"sliding_window"})) for variant in _pallas_mosaic_bwd.VARIANTS
 )
 # Shared memory for our buffers: Mosaic's barriers and alignment took a further 2.6 KB of the 227 KB
 # on an H200 (the 128 x 128 key blocks three deep at head dim 128 needed 232568 bytes in all).
@@ -962,8 +960,11 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         fused = _fused_bwd(shape, base)
         if fused:
             bwds.append(fused)
-    misaligned = shape.spec.causal and shape.seq_q != shape.seq_k  # cuDNN's diagonal: top-left
-    if _cudnn.available() and not misaligned and shape.spec.window is None:
+    # cuDNN aligns a causal mask or a window top-left, and takes no window looking right
+    spec = shape.spec
+    misaligned = (spec.causal or spec.window is not None) and shape.seq_q != shape.seq_k
+    looks_right = spec.window is not None and not spec.causal and spec.window[1] != 0
+    if _cudnn.available() and not (misaligned or looks_right):
         bwds.append(BwdParams(variant=CUDNN_BWD))
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
