@@ -696,7 +696,7 @@ def test_mosaic_refuses(case, match):
 MOSAIC_FWD = FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2)
 
 
-def test_mosaic_window_trains_on_the_portable_backward():
+def test_mosaic_window_forward_trains_on_the_portable_or_cudnn_backward():
     """A window runs in the Mosaic forward; behind it trains the portable backward (the
     heuristic's; the tuner's candidates, with cuDNN's where it runs), and the Mosaic backward
     kernels refuse it by name, in ``check`` and when called."""
