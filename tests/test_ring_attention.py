@@ -306,3 +306,56 @@ def test_only_undifferentiated_rings_spare_multiprocessors(key, monkeypatch):
     spared.clear()
     jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
     assert spared and set(spared) == {0}
+
+
+@pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])
+def test_ring_pairs_of_a_window_run_in_the_mosaic_forward(causal, window):
+    """On Hopper a ring with a window runs its local pairs in the Mosaic forward. Mosaic GPU's
+    interpreter cannot run on several host devices at once, so each pair of a 4-device ring runs
+    here on one: its out and lse against the reference masked by the global positions."""
+    from ejkfn import FwdParams
+    from ejkfn.attention import _pallas_mosaic, _ring
+    from ejkfn.attention._backend import AttentionShape, backend_for
+
+    n, length, heads, dim = 4, 128, 2, 64
+    base = AttentionSpec(scale=dim**-0.5, causal=causal, window=window)
+    local = _ring._Local(
+        backend_for("pallas", "mosaic"),
+        FwdParams(q_blocksize=128, kv_blocksize=64, num_stages=2),
+        _pallas_mosaic.heuristic(
+            AttentionShape(
+                batch=1, seq_q=length, seq_k=length, heads=heads, kv_heads=1, head_dim=dim,
+                dtype="bfloat16", spec=base,
+            )
+        )[1],
+        interpret=True,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((1, n * length, h, dim)), jnp.bfloat16)
+        for h in (heads, 1, 1)
+    )
+    rows = np.arange(n * length)
+    visible = np.ones((n * length, n * length), bool)
+    if causal:
+        visible &= rows[None, :] <= rows[:, None]
+    visible &= rows[None, :] >= rows[:, None] - window[0]
+    visible &= rows[None, :] <= rows[:, None] + window[1]
+    device = n - 1  # its key blocks lie before it: every contiguous step's first pair
+    mine = slice(device * length, (device + 1) * length)
+    seen = 0
+    for step, (before, _) in enumerate(_ring._contiguous_steps(base, length, n)):
+        keys = slice((device - step) * length, (device - step + 1) * length)
+        out, lse = local.fwd(before, q[:, mine], k[:, keys], v[:, keys])
+        mask = jnp.asarray(visible[mine, keys])[None, None]
+        spec = dataclasses.replace(base, causal=False, window=None, has_mask=True)
+        want, want_lse = reference_attention(
+            *(x.astype(jnp.float32) for x in (q[:, mine], k[:, keys], v[:, keys])),
+            None, mask, spec=spec,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=3e-2)
+        finite = np.isfinite(np.asarray(want_lse))
+        np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+        np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite], atol=2e-2)
+        seen += before.spec is not None
+    assert seen >= 2  # the window reaches past the device's own block
