@@ -310,9 +310,9 @@ def test_only_undifferentiated_rings_spare_multiprocessors(key, monkeypatch):
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])
 def test_ring_pairs_of_a_window_run_in_the_mosaic_forward(causal, window):
-    """On Hopper a ring with a window runs its local pairs in the Mosaic forward. Mosaic GPU's
-    interpreter cannot run on several host devices at once, so each pair of a 4-device ring runs
-    here on one: its out and lse against the reference masked by the global positions."""
+    """A ring given a Mosaic config runs its local pairs, a window's too, in the Mosaic forward.
+    Mosaic GPU's interpreter cannot run on several host devices at once, so each pair of a 4-device
+    ring runs here on one: its out and lse against the reference masked by global positions."""
     from ejkfn import FwdParams
     from ejkfn.attention import _pallas_mosaic, _ring
     from ejkfn.attention._backend import AttentionShape, backend_for
