@@ -480,19 +480,22 @@ def _hopper_cfg(
 #   every width (Triton 0.77-0.95x at 128 to 4096 keys, 0.75-0.82x not causal; cuDNN 0.77-0.92x,
 #   0.89x at D = 256). Up to D = 128 it trains up to _MOSAIC_TRAINS_WIDE_WINDOW keys (Triton 0.95x,
 #   cuDNN 0.92x at 256; Triton 1.01x at 128) and cuDNN wider (Mosaic 0.90-0.96x at 1024 and
-#   4096; at D = 256 0.48x). Where cuDNN trains and the Mosaic forward infers, training takes the
-#   Mosaic forward on cuDNN's backward kernel up to D = 128 (_window_on_cudnn_backward).
+#   4096; at D = 256 0.48x). Where cuDNN would train up to D = 128, the Mosaic forward on cuDNN's
+#   backward kernel trains (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at
+#   4x4096x16x128 causal with 512 to 4096 keys and at 2x8192x16x128 with 2048, at D = 256 even
+#   (0.99x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
+# A third name: the BwdParams.variant that trains behind the backend's forward.
+_MOSAIC_ON_CUDNN = ("pallas", "mosaic", _backend.CUDNN_BWD)
 _TRITON_INFERS_WINDOW = 512
 _TRITON_TRAINS_WINDOW = (512, 1024)
 _MOSAIC_TRAINS_WINDOW = 2048
 _MOSAIC_TRAINS_WIDE_WINDOW = 256
-_WINDOW_CUDNN_BACKWARD_HEAD_DIM = 128
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
 # for its forward+backward (causal), to lead XLA's, as (up to head dim, keys) pairs; none above
 # the last head dim (measured apart from the bf16 window rule).
@@ -508,7 +511,7 @@ def _window_limit(limits: tuple[tuple[int, int], ...], head_dim: int) -> int:
 
 def _feature_backends(
     shape: AttentionShape, wide_bias: bool
-) -> tuple[tuple[str, str], tuple[str, str]] | None:
+) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(training, inference) backends ``auto`` takes first on Hopper for this call, whose bias (if
     any) is ``wide_bias``: in a wider dtype than the inputs; None: the default order."""
     spec, wide = shape.spec, shape.head_dim > 64
@@ -534,11 +537,12 @@ def _feature_backends(
     if not wide:
         inference = _TRITON if seen <= _TRITON_INFERS_WINDOW else _MOSAIC
         return _head_dim_64_window_training(seen), inference
-    narrow = shape.head_dim <= 128 and seen <= _MOSAIC_TRAINS_WIDE_WINDOW
-    return (_MOSAIC if narrow else _CUDNN), _MOSAIC
+    if shape.head_dim > 128:
+        return _CUDNN, _MOSAIC
+    return (_MOSAIC if seen <= _MOSAIC_TRAINS_WIDE_WINDOW else _MOSAIC_ON_CUDNN), _MOSAIC
 
 
-def _head_dim_64_window_training(seen: int) -> tuple[str, str]:
+def _head_dim_64_window_training(seen: int) -> tuple[str, ...]:
     """The backend that trains a bf16 window whose queries see ``seen`` keys at head dims up to 64
     (``_TRITON_TRAINS_WINDOW`` is half-open)."""
     low, high = _TRITON_TRAINS_WINDOW
@@ -546,7 +550,7 @@ def _head_dim_64_window_training(seen: int) -> tuple[str, str]:
         return _PALLAS_TRITON
     if seen < high:
         return _TRITON
-    return _MOSAIC if seen <= _MOSAIC_TRAINS_WINDOW else _CUDNN
+    return _MOSAIC if seen <= _MOSAIC_TRAINS_WINDOW else _MOSAIC_ON_CUDNN
 
 
 def _float32_pallas_first(shape: AttentionShape) -> bool:
@@ -638,45 +642,28 @@ def _feature_cfg(
     if pairs is None:
         return None
     cfgs = []
-    for platform, variant in pairs:
+    for platform, variant, *bwd_variant in pairs:
         backend = backend_for(platform, variant)
         params = backend.heuristic(shape)
+        if bwd_variant:  # another backward kernel behind the backend's forward
+            params = (params[0], BwdParams(variant=bwd_variant[0]))
         if not _native(backend) or _refusal(backend, shape, args, kwargs, params) is not None:
             cfgs.append(None)
         else:
             cfgs.append(_config(backend, params))
     training, inference = cfgs
-    if training is not None and inference is not None:
-        training, inference = _window_on_cudnn_backward(shape, args, kwargs, training, inference)
     if training is None and inference is None:
         return None
     if training is None:
         training = _config(default, default.heuristic(shape))
-    if inference is None or inference == training:  # a forward the training backend can do
+    if inference is None or _same_forward(inference, training):
         return training
     return dataclasses.replace(training, inference=inference)
 
 
-def _window_on_cudnn_backward(
-    shape: AttentionShape,
-    args: Sequence[Any],
-    kwargs: dict[str, Any],
-    training: AttentionConfig,
-    inference: AttentionConfig,
-) -> tuple[AttentionConfig, AttentionConfig | None]:
-    """A window that trains on cuDNN and infers on the Mosaic forward, at head dims up to
-    ``_WINDOW_CUDNN_BACKWARD_HEAD_DIM``: both on the Mosaic forward and cuDNN's backward kernel fed
-    its residuals, where that can do the call. On an H200 it trained 1.02-1.06x cuDNN's pair at
-    4x4096x16x128 causal with 512 to 4096 keys and at 2x8192x16x128 with 2048, and at head dim 256
-    even (0.99x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json)."""
-    pairs = ((training.platform, training.variant), (inference.platform, inference.variant))
-    if pairs != (_CUDNN, _MOSAIC) or shape.head_dim > _WINDOW_CUDNN_BACKWARD_HEAD_DIM:
-        return training, inference
-    mosaic = backend_for(*_MOSAIC)
-    params = (inference.fwd, BwdParams(variant=_backend.CUDNN_BWD))
-    if _refusal(mosaic, shape, args, kwargs, params) is not None:
-        return training, inference
-    return _config(mosaic, params), None
+def _same_forward(a: AttentionConfig, b: AttentionConfig) -> bool:
+    """Whether two configs run the same forward (whatever trains behind it)."""
+    return (a.platform, a.variant, a.fwd) == (b.platform, b.variant, b.fwd)
 
 
 def _native(backend: AttentionBackend) -> bool:

@@ -80,6 +80,15 @@ def _check(
         )
 
 
+def _causal_window(spec: AttentionSpec) -> tuple[bool, int | None]:
+    """cuDNN's causal flag and its window's left side (None: no window) for ``spec``. cuDNN applies
+    a sliding window only with its causal mask; a window that stops at the diagonal (all that
+    ``_check`` lets through) is exactly causal attention with a left window."""
+    if spec.window is None:
+        return spec.causal, None
+    return True, spec.window[0]
+
+
 def _pad_head_dim(*xs: jax.Array) -> tuple[jax.Array, ...]:
     """``xs`` with the head dim (last axis) zero-padded to a multiple of 8, as cuDNN needs; zero
     columns change no score."""
@@ -100,14 +109,7 @@ def _attention(
     """``(out, lse)`` through cuDNN; rows that see no key are zeroed as the spec asks."""
     dim = q.shape[-1]
     q, k, v = _pad_head_dim(q, k, v)
-    window = None
-    causal = spec.causal
-    if spec.window is not None:
-        left, right = spec.window
-        # cuDNN applies its sliding window only with its causal mask; a window that stops at the
-        # diagonal is exactly causal attention with a left window.
-        causal = causal or right == 0
-        window = (left, 0)
+    causal, left = _causal_window(spec)
     out, stats = jax.nn.dot_product_attention(
         q,
         k,
@@ -116,7 +118,7 @@ def _attention(
         mask=mask,
         scale=spec.scale,
         is_causal=causal,
-        local_window_size=window,
+        local_window_size=None if left is None else (left, 0),
         implementation="cudnn",
         return_residual=True,
     )
@@ -209,9 +211,8 @@ def residual_bwd(
     dim = q.shape[-1]
     q, k, v, out, dout = _pad_head_dim(q, k, v, out, dout)  # gradients' extra columns sliced off
     unused = jnp.zeros(0, dtype=q.dtype)
-    causal, sliding = spec.causal, None
-    if spec.window is not None:  # as _attention: the window's left side on cuDNN's causal mask
-        causal, sliding = True, spec.window[0] + 1  # keys a row sees, its own included
+    causal, left = _causal_window(spec)
+    sliding = None if left is None else left + 1  # keys a row sees, its own included
     mask_type = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
     dq, dk, dv = cudnn_attention._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused, unused, unused, unused, unused, unused, unused,

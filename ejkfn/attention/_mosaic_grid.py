@@ -249,24 +249,13 @@ def first_key_block(row: Any, offset: int, left: int, block: int, round_up: bool
 
 
 def query_tiles_work(
-    steps: Any,
-    heads: int,
-    batch: int,
-    q_tiles: int,
-    rows: int,
-    causal: bool,
-    along_sequence: bool,
-    first: Any = None,
+    steps: Any, heads: int, batch: int, q_tiles: int, rows: int, causal: bool, along_sequence: bool
 ) -> np.ndarray:
     """Each query tile's work, in work-item order (for :meth:`Rounds.balanced`): ``steps(last
-    row)``, the key blocks its rows see (on numpy arrays), less ``first(first row)``, the block
-    they start from (a window's; else 0), plus one for its epilogue."""
+    row)``, the key blocks its rows see (on numpy arrays), plus one for its epilogue."""
     index = np.arange(heads * q_tiles * batch, dtype=np.int32)
     _, _, base = query_tile(index, heads, batch, q_tiles, rows, causal, along_sequence)
-    work = steps(base + rows - 1) + 1.0
-    if first is not None:
-        work = work - first(base)
-    return np.broadcast_to(work, index.shape)  # no mask: one for all
+    return np.broadcast_to(steps(base + rows - 1) + 1.0, index.shape)  # no mask: one for all
 
 
 def split_index(index: Any, heads: int, batch: int, ranks: int, band: int) -> tuple[Any, Any, Any]:

@@ -161,12 +161,9 @@ def _whole_64s(n: int) -> int:
     return max(64, -(-n // 64) * 64)
 
 
-def _refuse(spec: AttentionSpec, q: Any, k: Any) -> None:
-    missing = sorted(spec.features & _UNSUPPORTED)
-    if missing:
-        raise NotImplementedError(
-            f"platform 'pallas' (mosaic) does not support {', '.join(missing)}"
-        )
+def _refuse(spec: AttentionSpec, q: Any, k: Any, bwd: BwdParams | None = None) -> None:
+    """``NotImplementedError`` for what this backend (and ``bwd``'s variant) cannot do."""
+    BACKEND.check(spec, bwd=bwd)
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         raise NotImplementedError(
             f"platform 'pallas' (mosaic) needs float16 or bfloat16 inputs; got {jnp.dtype(q.dtype)}"
@@ -262,11 +259,16 @@ class _Geom:
         return Rounds.balanced(self.tile_work(), resident, self.persistent)
 
     def tile_work(self) -> np.ndarray:
-        """Each tile's key blocks plus one (its epilogue), in work-item order."""
-        first = (lambda base: self.blocks_of(base)[0]) if self.window is not None else None
+        """Each tile's key blocks (from a window's first) plus one (its epilogue), in work-item
+        order."""
+
+        def streamed(last_row: Any) -> Any:
+            first, stop = self.blocks_of(last_row - (self.cluster_rows - 1))
+            return stop - first
+
         return query_tiles_work(
-            self.steps, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
-            self.along_sequence, first,
+            streamed, self.heads, self.batch, self.q_tiles, self.cluster_rows, self.causal,
+            self.along_sequence,
         )  # fmt: skip
 
     @property
@@ -788,9 +790,8 @@ def bwd(
     (``NotImplementedError`` for head dims above 128); ``None`` (or ``"mirrored"``) the
     Triton-lowering ones of :mod:`._pallas_gpu`.
     """
-    _refuse(spec, q, k)
     params = params or heuristic(AttentionShape.of(q, k, spec))[1]
-    BACKEND.check(spec, bwd=params)
+    _refuse(spec, q, k, params)
     if params.variant in _pallas_mosaic_bwd.VARIANTS:
         dq, dk, dv = _pallas_mosaic_bwd.bwd(
             q, k, v, out, lse, dout, spec=spec, params=params, interpret=_interpreting(interpret)
