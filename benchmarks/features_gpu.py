@@ -157,9 +157,10 @@ def impls(
 ) -> dict[str, Callable[..., jax.Array]]:
     """name -> ``(q, k, v, **arrays) -> out``, ``arrays`` being ``feature``'s
     (:func:`feature_arrays`): each native backend that takes the feature on its heuristic config
-    (XLA's left out), ``auto``, and for each ``"platform:fwd|bwd:BQxBKxWxS[xvariant][xdqN]"`` in
-    ``blocks`` that platform's heuristic config with that pass's blocks replaced. With ``only``,
-    those whose name, or whose name's ``platform/variant``, is in it."""
+    (XLA's left out), ``auto``, and for each ``"target:fwd|bwd:BQxBKxWxS[xvariant][xdqN]"`` in
+    ``blocks`` the heuristic config of each backend ``target`` names (a platform, or one
+    ``platform/variant``: Mosaic's 12 warps are no Pallas-Triton block) with that pass's blocks
+    replaced. With ``only``, those whose name, or whose name's ``platform/variant``, is in it."""
     spec = case_spec(case, feature)
     shape, static = call_shape(case, spec, dtype), static_options(spec)
     kind = ejkfn.device_kind()
@@ -175,8 +176,9 @@ def impls(
             continue
         cfgs = {f"{backend.platform}/{backend.variant}": (fp, bp)}
         for item in blocks:
-            platform, which, text = item.split(":")
-            if platform == backend.platform:
+            target, which, text = item.split(":")
+            if target in (backend.platform, f"{backend.platform}/{backend.variant}"):
+                platform = backend.platform
                 name = f"{platform}/{backend.variant} {which} {text}"
                 cfgs[name] = (
                     (parse_params(text, FwdParams), bp)
@@ -342,7 +344,7 @@ def main() -> int:
     parser.add_argument(
         "--blocks",
         default="",
-        help="more blocks to time, comma-separated PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]",
+        help="more blocks to time, comma-separated PLATFORM[/VARIANT]:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]",
     )
     parser.add_argument(
         "--seconds", type=float, default=0.0, help="start no case past this many (0: no limit)"
@@ -368,11 +370,17 @@ def main() -> int:
     for item in blocks:
         parts = item.split(":")
         try:  # impls parses them again; parsing here fails a typo before any compile
-            if len(parts) != 3 or parts[1] not in ("fwd", "bwd"):
+            if (
+                len(parts) != 3
+                or parts[1] not in ("fwd", "bwd")
+                or not any(parts[0] in (n, n.split("/")[0]) for n in known - {"auto"})
+            ):
                 raise ValueError(parts)
             parse_params(parts[2], FwdParams if parts[1] == "fwd" else BwdParams)
         except (ValueError, TypeError):
-            parser.error(f"--blocks: {item!r} is not PLATFORM:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]")
+            parser.error(
+                f"--blocks: {item!r} is not PLATFORM[/VARIANT]:fwd|bwd:BQxBKxWxS[xVARIANT][xdqN]"
+            )
     dtype = jnp.dtype(args.dtype)
     rows: list[dict[str, Any]] = []
     t0, stamp = time.time(), time.strftime("%Y%m%d-%H%M%S")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from ejkfn import BwdParams
+from ejkfn.attention import registered_backends
 
 from ._subprocess import ROOT, child_env
 
@@ -780,6 +781,19 @@ def test_features_benchmark_adds_the_blocks_asked_for(monkeypatch):
     assert not any(n.startswith("pallas/triton ") for n in names)
 
 
+def test_features_benchmark_gives_blocks_to_the_variant_named(monkeypatch):
+    """``--blocks pallas/mosaic:fwd:...`` adds a row to Mosaic's backend alone: Pallas-Triton's
+    kernels take no 12-warp block."""
+    features_gpu, attention = _benchmark_modules("features_gpu", "attention")
+    monkeypatch.setattr(features_gpu.ejkfn, "device_kind", lambda: "gpu")
+    backends = [dataclasses.replace(b, available=lambda: True) for b in registered_backends()]
+    monkeypatch.setattr(features_gpu, "registered_backends", lambda: backends)
+    case = attention.Case(1, 256, 2, 2, 64, True)
+    names = features_gpu.impls(case, "window128", ("pallas/mosaic:fwd:128x128x12x2",))
+    assert "pallas/mosaic fwd 128x128x12x2" in names
+    assert not any(n.startswith("pallas/triton ") for n in names)
+
+
 def test_features_benchmark_keeps_only_the_rows_asked_for(monkeypatch):
     """``--only triton/triton`` keeps Triton's heuristic row and its ``--blocks`` rows, nothing
     else; an exact block row's name keeps that row alone."""
@@ -821,7 +835,7 @@ def test_features_benchmark_names_a_malformed_block():
         capture_output=True, text=True, cwd=ROOT / "benchmarks",
     )  # fmt: skip
     assert proc.returncode == 2
-    assert "'triton:bwd:32x64' is not PLATFORM:fwd|bwd:BQxBKxWxS" in proc.stderr
+    assert "'triton:bwd:32x64' is not PLATFORM[/VARIANT]:fwd|bwd:BQxBKxWxS" in proc.stderr
 
 
 def test_features_benchmark_takes_a_window_width_and_names_an_unknown_feature():
