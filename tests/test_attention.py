@@ -701,10 +701,11 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    # A window follows the feature rule (the next test): at head dim 64 and 256 keys Pallas-Triton
-    # trains, and Triton, which would infer, is not native here
+    # A window follows the feature rule (the next test): at head dim 64 and 256 keys the Mosaic
+    # forward, on its narrow-window key blocks, trains and infers
     window = heuristic(small, sliding_window=256)
-    assert (window.platform, window.variant, window.inference) == ("pallas", "triton", None)
+    assert (window.platform, window.variant, window.inference) == ("pallas", "mosaic", None)
+    assert window.fwd.kv_blocksize == _pallas_mosaic.NARROW_WINDOW_BLOCKS[64][1] < fp.kv_blocksize
     elsewhere = heuristic(small, hopper=False)
     assert (elsewhere.platform, elsewhere.inference) == ("cudnn", None)
 
@@ -737,13 +738,10 @@ _MOS_CUDNN = ("pallas", "mosaic", "cudnn")  # the Mosaic forward on cuDNN's back
         (128, False, "dropout", _TRI, _TRI),
         (64, False, "segments", _TRI, _PT),
         (128, False, "segments", _TRI, _TRI),
-        (64, True, "window", _PT, _TRI),
-        (64, False, "window", _PT, _TRI),  # 128 keys seen, both sides
-        (64, True, "window_511", _PT, _TRI),
-        (64, True, "window_512", _TRI, _TRI),  # Triton trains from 512 keys
-        (64, True, "window_1023", _TRI, _MOS),  # the Mosaic forward infers from 513 keys
-        (64, True, "window_1024", _MOS, _MOS),  # and trains from 1024
-        (64, True, "wide_window", _MOS, _MOS),
+        (64, True, "window", _MOS, _MOS),
+        (64, False, "window", _MOS, _MOS),  # 128 keys seen, both sides
+        (64, True, "window_512", _MOS, _MOS),
+        (64, True, "wide_window", _MOS, _MOS),  # the Mosaic pair trains up to 2048 keys
         # cuDNN's pair is faster from 2049 keys; the Mosaic forward on cuDNN's backward kernel more
         (64, True, "wider_window", _MOS_CUDNN, _MOS),
         (128, True, "window", _MOS, _MOS),
@@ -799,12 +797,10 @@ def test_auto_on_hopper_orders_backends_by_feature(
         "bias_f32": dict(bias=jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32)),
         "dropout": dict(dropout_prob=0.1, dropout_seed=jax.ShapeDtypeStruct((), jnp.uint32)),
         "window": dict(sliding_window=64),
-        "window_511": dict(sliding_window=(511, 0)),
         "window_512": dict(sliding_window=(512, 0)),
         "window_256_a_side": dict(sliding_window=256),
         "window_512_a_side": dict(sliding_window=512),
         "window_1024_a_side": dict(sliding_window=1024),
-        "window_1023": dict(sliding_window=(1023, 0)),
         "window_1024": dict(sliding_window=(1024, 0)),
         "wide_window": dict(sliding_window=(2048, 0)),
         "wider_window": dict(sliding_window=(2049, 0)),
@@ -823,14 +819,6 @@ def test_auto_on_hopper_orders_backends_by_feature(
     refused = {"dropout", "soft_cap", "segments", "bias_f32"} & set(feature.split("+"))  # by cuDNN
     looks_right = not causal and feature.startswith("window")  # cuDNN's windows look left only
     assert elsewhere.platform == ("pallas" if refused or looks_right else "cudnn")
-
-
-def test_auto_trains_windows_on_triton_from_where_its_backward_splits() -> None:
-    """At head dim 64 ``auto`` trains a window on Triton from the width at which Triton's backward
-    runs the interior unmasked (what made it lead there); the two limits move together."""
-    from ejkfn.attention import _api
-
-    assert _api._TRITON_TRAINS_WINDOW[0] == _triton.WINDOW_SPLIT_KEYS["bwd"]
 
 
 @pytest.mark.parametrize("hopper", [True, False])

@@ -574,6 +574,29 @@ def test_mosaic_forward_grid_and_cluster_choice():
             assert len(cands) == len(set(cands))
 
 
+def test_mosaic_forward_takes_narrower_key_blocks_for_a_narrow_window():
+    """A window of at most NARROW_WINDOW_BLOCKS' keys runs on its key blocks and ring (fewer keys
+    in masked edge blocks); a wider window, no window, or a head dim without an entry keeps the
+    plain blocks."""
+
+    def blocks(d, window, causal=True):
+        spec = AttentionSpec(scale=0.1, causal=causal, window=window)
+        shape = AttentionShape(
+            batch=1, seq_q=8192, seq_k=8192, heads=4, kv_heads=4, head_dim=d, dtype="bfloat16",
+            spec=spec,
+        )  # fmt: skip
+        fp = _pallas_mosaic.heuristic(shape)[0]
+        return fp.kv_blocksize, fp.num_stages
+
+    assert blocks(64, None) == (256, 2) == blocks(64, (2049, 0)) == blocks(64, (1100, 1100), False)
+    assert blocks(64, (2048, 0)) == (128, 2) == blocks(64, (100, 40), False)
+    assert blocks(128, None) == (128, 2) == blocks(128, (129, 0)) == blocks(128, (64, 65), False)
+    assert blocks(128, (128, 0)) == (64, 4) == blocks(128, (64, 64), False)
+    assert blocks(256, (64, 0)) == blocks(256, None)
+    for d, (_, bk, slots) in _pallas_mosaic.NARROW_WINDOW_BLOCKS.items():
+        assert _pallas_mosaic._smem_bytes(d, bk, slots) <= _pallas_mosaic._SMEM_LIMIT
+
+
 def test_mosaic_forward_copy_loop_on_one_warp_or_four():
     """The ring's copy loop run by one warp of the memory warpgroup (the default) or by all four
     gives the same numbers (in the interpreter, which runs both paths of the copies' arrivals)."""

@@ -466,24 +466,21 @@ def _hopper_cfg(
 #   round); cuDNN refuses it (it would round it to 16 bits);
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
-# - a window (sixty-third and sixty-fourth rounds; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128,
+# - a window (sixty-third to sixty-fifth rounds; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128,
 #   2x8192x16x128 and 2x4096x8x256 causal, 4x4096x16x128 not causal; keys seen besides the
-#   diagonal). The Mosaic forward takes a window, with the portable backward behind it. At D = 64,
-#   Triton infers up to _TRITON_INFERS_WINDOW keys (Pallas-Triton 0.94-1.00x, the Mosaic forward
-#   0.81x at 256 and 0.96x at 512, cuDNN 0.80-0.96x) and the Mosaic forward wider (Triton
-#   0.95-0.97x at 1024 and 2048, cuDNN 0.89x at 4096). Pallas-Triton trains below
-#   _TRITON_TRAINS_WINDOW[0] keys (its 64 x 64 backward; Triton 0.94-0.97x at 256, cuDNN
-#   0.74-0.80x), Triton from there, where its backward skips the masks too (Pallas-Triton 0.99x,
-#   Mosaic 0.96x at 512), the Mosaic forward on Pallas-Triton's backward from
-#   _TRITON_TRAINS_WINDOW[1] to _MOSAIC_TRAINS_WINDOW (Triton 0.97-0.98x, cuDNN 0.93-0.97x at 1024
-#   and 2048) and cuDNN wider (Mosaic 0.96x at 4096). Above D = 64 the Mosaic forward infers at
-#   every width (Triton 0.77-0.95x at 128 to 4096 keys, 0.75-0.82x not causal; cuDNN 0.77-0.92x,
-#   0.89x at D = 256). Up to D = 128 it trains up to _MOSAIC_TRAINS_WIDE_WINDOW keys (Triton 0.95x,
-#   cuDNN 0.92x at 256; Triton 1.01x at 128) and cuDNN wider (Mosaic 0.90-0.96x at 1024 and
-#   4096; at D = 256 0.48x). Where cuDNN would train up to D = 128, the Mosaic forward on cuDNN's
-#   backward kernel trains (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at
-#   4x4096x16x128 causal with 512 to 4096 keys and at 2x8192x16x128 with 2048, at D = 256 even
-#   (0.99x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json).
+#   diagonal). The Mosaic forward takes a window, with the portable backward behind it, and infers
+#   at every width (at D = 64 on its narrow-window blocks, 128 keys: Triton 0.93-0.95x at 128 to
+#   512 keys, 0.92-0.94x at 1024 and 2048, cuDNN 0.77-0.89x; above D = 64 Triton 0.77-0.95x,
+#   0.75-0.82x not causal, cuDNN 0.69-0.92x, 0.89x at D = 256). Up to D = 128 it trains on
+#   Pallas-Triton's backward up to _MOSAIC_TRAINS_WINDOW keys (D = 64, to it: Triton 0.95-1.00x,
+#   Pallas-Triton 0.97x, cuDNN 0.70-0.96x at 128 to 1024; the same backward as Pallas-Triton's
+#   pair, behind a faster forward) or _MOSAIC_TRAINS_WIDE_WINDOW (D = 128: Triton 0.95x, cuDNN
+#   0.92x at 256; Triton 1.01x at 128). Wider, cuDNN's backward kernel trains behind it
+#   (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at 4x4096x16x128 causal with 512 to 4096
+#   keys and at 2x8192x16x128 with 2048, 1.04x at 2x8192x32(8 kv)x64 with 4096 (cuDNN's pair
+#   0.96x). At D = 256 cuDNN's pair trains (the Mosaic forward on cuDNN's backward kernel 1.03x at
+#   1024 keys, 0.98-0.99x at 2048; the portable backward 0.42-0.48x; results/features_NVIDIA_H200_
+#   20261130-101720.json, -101912.json, -121445.json to -122329.json).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
@@ -492,8 +489,6 @@ _PALLAS_TRITON = ("pallas", "triton")
 _CUDNN = ("cudnn", "cudnn")
 # A third name: the BwdParams.variant that trains behind the backend's forward.
 _MOSAIC_ON_CUDNN = ("pallas", "mosaic", _backend.CUDNN_BWD)
-_TRITON_INFERS_WINDOW = 512
-_TRITON_TRAINS_WINDOW = (512, 1024)
 _MOSAIC_TRAINS_WINDOW = 2048
 _MOSAIC_TRAINS_WIDE_WINDOW = 256
 # Float32 calls with a window on Hopper: the most keys a query may see for Triton's forward, and
@@ -534,23 +529,10 @@ def _feature_backends(
     seen = spec.window_keys
     if seen is None:
         return None
-    if not wide:
-        inference = _TRITON if seen <= _TRITON_INFERS_WINDOW else _MOSAIC
-        return _head_dim_64_window_training(seen), inference
     if shape.head_dim > 128:
         return _CUDNN, _MOSAIC
-    return (_MOSAIC if seen <= _MOSAIC_TRAINS_WIDE_WINDOW else _MOSAIC_ON_CUDNN), _MOSAIC
-
-
-def _head_dim_64_window_training(seen: int) -> tuple[str, ...]:
-    """The backend that trains a bf16 window whose queries see ``seen`` keys at head dims up to 64
-    (``_TRITON_TRAINS_WINDOW`` is half-open)."""
-    low, high = _TRITON_TRAINS_WINDOW
-    if seen < low:
-        return _PALLAS_TRITON
-    if seen < high:
-        return _TRITON
-    return _MOSAIC if seen <= _MOSAIC_TRAINS_WINDOW else _MOSAIC_ON_CUDNN
+    portable = _MOSAIC_TRAINS_WIDE_WINDOW if wide else _MOSAIC_TRAINS_WINDOW
+    return (_MOSAIC if seen <= portable else _MOSAIC_ON_CUDNN), _MOSAIC
 
 
 def _float32_pallas_first(shape: AttentionShape) -> bool:

@@ -132,6 +132,13 @@ FUSED_CAUSAL_KEYS = {64: 2048, 128: 4096}
 # 20261127-232134.json, ..._H100_80GB_HBM3_20261127-232629.json, -232704.json; benchmarks/NOTES.md,
 # thirty-seventh round).
 ONE_TILE_CAUSAL_KEYS = 16384
+# A window of at most this many keys (besides the diagonal) runs on these narrower key blocks and
+# ring, by head dim padded to 64: fewer of a row's keys lie in its masked edge blocks. On an H200
+# (bf16, causal; results/features_NVIDIA_H200_20261130-121706.json to -122644.json) 128-key blocks
+# at head dim 64 ran 1.43 / 1.31 / 1.14 / 1.07 / 1.04x the 256-key ones at 128 / 256 / 512 / 1024 /
+# 2048 keys (8x2048x32x64, 2x8192x32(8 kv)x64), 0.98x at 4096; 64-key blocks on 4 slots at head
+# dim 128 1.05x the 128-key ones at 128 keys and 1.01x at 256 (4x4096x16x128, 2x8192x16x128).
+NARROW_WINDOW_BLOCKS = {64: (2048, 128, 2), 128: (128, 64, 4)}
 # Query rows of a cluster's tile: two or four CTAs of CTA_ROWS sharing each key/value copy.
 CLUSTER_ROWS = (2 * CTA_ROWS, 4 * CTA_ROWS)
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
@@ -840,10 +847,11 @@ def _mosaic_bwd(shape: AttentionShape) -> BwdParams | None:
 
 def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """128-row query tiles (causal from ``ONE_TILE_CAUSAL_KEYS`` keys, 256 in clusters of two CTAs,
-    one cluster a tile); the largest key block and ring that fit shared memory; the Mosaic
-    backward where it takes the head dim (up to 128), fused where it fits and nothing is masked or
-    the mask is causal over ``FUSED_CAUSAL_KEYS`` keys or more (at head dims above 64 without GQA),
-    else the split one, and the Triton-lowering one above head dim 128.
+    one cluster a tile); the largest key block and ring that fit shared memory, narrower for a
+    narrow window (``NARROW_WINDOW_BLOCKS``); the Mosaic backward where it takes the head dim (up
+    to 128), fused where it fits and nothing is masked or the mask is causal over
+    ``FUSED_CAUSAL_KEYS`` keys or more (at head dims above 64 without GQA), else the split one, and
+    the Triton-lowering one above head dim 128.
 
     On an H200 at 2x4096x16x128 bf16, (128-key blocks, 2 slots) ran at 246 (full) and 226 (causal)
     TFLOP/s, (64, 4 slots) at 215 and 146 (benchmarks/results/check_pallas_gpu_h200.json). At head
@@ -882,6 +890,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
     """
     d = _whole_64s(shape.head_dim)
     bk, slots = (256, 2) if d <= 64 else (128, 2) if d <= 128 else (64, 2)
+    seen, narrow = shape.spec.window_keys, NARROW_WINDOW_BLOCKS.get(d)
+    if seen is not None and narrow is not None and seen <= narrow[0]:
+        bk, slots = narrow[1:]
     rows = 2 * CTA_ROWS if _clustered(shape) else CTA_ROWS
     fp = FwdParams(q_blocksize=rows, kv_blocksize=bk, num_warps=12, num_stages=slots)
     split = _mosaic_bwd(shape)
