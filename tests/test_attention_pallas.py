@@ -590,8 +590,8 @@ def test_mosaic_forward_takes_narrower_key_blocks_for_a_narrow_window():
 
     assert blocks(64, None) == (256, 2) == blocks(64, (2049, 0)) == blocks(64, (1100, 1100), False)
     assert blocks(64, (2048, 0)) == (128, 2) == blocks(64, (100, 40), False)
-    assert blocks(128, None) == (128, 2) == blocks(128, (129, 0)) == blocks(128, (64, 65), False)
-    assert blocks(128, (128, 0)) == (64, 4) == blocks(128, (64, 64), False)
+    assert blocks(128, None) == (128, 2) == blocks(128, (257, 0)) == blocks(128, (128, 129), False)
+    assert blocks(128, (256, 0)) == (64, 4) == blocks(128, (128, 128), False)
     assert blocks(256, (64, 0)) == blocks(256, None)
     for d, (_, bk, slots) in _pallas_mosaic.NARROW_WINDOW_BLOCKS.items():
         assert _pallas_mosaic._smem_bytes(d, bk, slots) <= _pallas_mosaic._SMEM_LIMIT

@@ -134,11 +134,12 @@ FUSED_CAUSAL_KEYS = {64: 2048, 128: 4096}
 ONE_TILE_CAUSAL_KEYS = 16384
 # A window of at most this many keys (besides the diagonal) runs on these narrower key blocks and
 # ring, by head dim padded to 64: fewer of a row's keys lie in its masked edge blocks. On an H200
-# (bf16, causal; results/features_NVIDIA_H200_20261130-121706.json to -122644.json) 128-key blocks
+# (bf16, causal; results/features_NVIDIA_H200_20261130-121706.json to -124028.json) 128-key blocks
 # at head dim 64 ran 1.43 / 1.31 / 1.14 / 1.07 / 1.04x the 256-key ones at 128 / 256 / 512 / 1024 /
-# 2048 keys (8x2048x32x64, 2x8192x32(8 kv)x64), 0.98x at 4096; 64-key blocks on 4 slots at head
-# dim 128 1.05x the 128-key ones at 128 keys and 1.01x at 256 (4x4096x16x128, 2x8192x16x128).
-NARROW_WINDOW_BLOCKS = {64: (2048, 128, 2), 128: (128, 64, 4)}
+# 2048 keys (8x2048x32x64, 2x8192x32(8 kv)x64), 0.97-1.02x at 1536 and 3072, 0.98x at 4096;
+# 64-key blocks on 4 slots at head dim 128 1.05 / 1.09 / 1.01-1.02x the 128-key ones at 128 / 192
+# / 256 keys (4x4096x16x128, 2x8192x16x128).
+NARROW_WINDOW_BLOCKS = {64: (2048, 128, 2), 128: (256, 64, 4)}
 # Query rows of a cluster's tile: two or four CTAs of CTA_ROWS sharing each key/value copy.
 CLUSTER_ROWS = (2 * CTA_ROWS, 4 * CTA_ROWS)
 # Fewest key blocks of a CTA's share of a split last round: a piece also pays for a Q load, a ring
