@@ -278,7 +278,8 @@ def timing(impl, causal, fp=None, bp=None, *, shape=(2, 4096, 16, 128), label=""
 def mosaic_windows() -> None:
     """The Mosaic forward's sliding windows (with the portable backward behind it): left edges,
     unmasked blocks between, the diagonal; a window narrower than a key block; both sides; ragged
-    and unequal lengths; GQA; one cluster a tile (causal from ONE_TILE_CAUSAL_KEYS keys)."""
+    and unequal lengths; GQA; one cluster a tile (causal from ONE_TILE_CAUSAL_KEYS keys); narrow
+    windows on the heuristic's narrower key blocks."""
     bf16, f16 = jnp.bfloat16, jnp.float16
     long = _pallas_mosaic.ONE_TILE_CAUSAL_KEYS
     for name, shape, dtype, kw in [
@@ -293,6 +294,13 @@ def mosaic_windows() -> None:
         (f"causal clusters 1x{long}x4x128", (1, long, long, 4, 4, 128), bf16,
          dict(window=(3000, 0))),
         ("causal 1x2048x4x256", (1, 2048, 2048, 4, 4, 256), f16, dict(window=(1000, 0))),
+        # narrow windows, on NARROW_WINDOW_BLOCKS' key blocks (so are 40 keys and 100 a side above)
+        ("both sides ragged 1x1900x4(1)x64", (1, 1900, 1900, 4, 1, 64), f16,
+         dict(window=(300, 200))),
+        ("causal q shorter 1x1000:1500x4x64", (1, 1000, 1500, 4, 4, 64), bf16,
+         dict(window=(100, 0))),
+        ("causal gqa 2x4096x8(2)x128 at the limit", (2, 4096, 4096, 8, 2, 128), bf16,
+         dict(window=(256, 0))),
     ]:  # fmt: skip
         causal = "causal" in name
         feature(
