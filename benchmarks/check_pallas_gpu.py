@@ -301,6 +301,10 @@ def mosaic_windows() -> None:
          dict(window=(100, 0))),
         ("causal gqa 2x4096x8(2)x128 at the limit", (2, 4096, 4096, 8, 2, 128), bf16,
          dict(window=(256, 0))),
+        (f"causal clusters narrow 1x{long}x4(2)x64", (1, long, long, 4, 2, 64), bf16,
+         dict(window=(1000, 0))),
+        (f"causal clusters narrow 1x{long}x4x128", (1, long, long, 4, 4, 128), f16,
+         dict(window=(200, 0))),
     ]:  # fmt: skip
         causal = "causal" in name
         feature(
