@@ -178,8 +178,7 @@ def impls(
         for item in blocks:
             target, which, text = item.split(":")
             if target in (backend.platform, f"{backend.platform}/{backend.variant}"):
-                platform = backend.platform
-                name = f"{platform}/{backend.variant} {which} {text}"
+                name = f"{backend.platform}/{backend.variant} {which} {text}"
                 cfgs[name] = (
                     (parse_params(text, FwdParams), bp)
                     if which == "fwd"

@@ -475,7 +475,7 @@ def _hopper_cfg(
 #   Pallas-Triton's backward up to _MOSAIC_TRAINS_WINDOW keys (D = 64, to it: Triton 0.95-1.00x,
 #   Pallas-Triton 0.97x, cuDNN 0.70-0.96x at 128 to 1024; the same backward as Pallas-Triton's
 #   pair, behind a faster forward) or _MOSAIC_TRAINS_WIDE_WINDOW (D = 128: Triton 0.95x, cuDNN
-#   0.92x at 256; Triton 1.01x at 128). Wider, cuDNN's backward kernel trains behind it
+#   0.92x at 256; at 128, on the narrow blocks, Triton 0.99x and cuDNN 0.90x). Wider, cuDNN's backward kernel trains behind it
 #   (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at 4x4096x16x128 causal with 512 to 4096
 #   keys and at 2x8192x16x128 with 2048, 1.04x at 2x8192x32(8 kv)x64 with 4096 (cuDNN's pair
 #   0.96x). At D = 256 cuDNN's pair trains (the Mosaic forward on cuDNN's backward kernel 1.03x at
