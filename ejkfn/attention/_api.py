@@ -424,7 +424,7 @@ def _hopper_cfg(
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper where its first choice is ``training``; None: that
     backend's heuristic config as it is."""
-    # A window's backends were measured apart (_feature_backends); decoding ones were not.
+    # A window's backends come from _feature_backends, measured apart.
     if training.platform != "cudnn" or not _is_hopper() or shape.spec.window is not None:
         return None
     mosaic = backend_for(*_MOSAIC)
@@ -475,12 +475,13 @@ def _hopper_cfg(
 #   Pallas-Triton's backward up to _MOSAIC_TRAINS_WINDOW keys (D = 64, to it: Triton 0.95-1.00x,
 #   Pallas-Triton 0.97x, cuDNN 0.70-0.96x at 128 to 1024; the same backward as Pallas-Triton's
 #   pair, behind a faster forward) or _MOSAIC_TRAINS_WIDE_WINDOW (D = 128: Triton 0.95x, cuDNN
-#   0.92x at 256; at 128, on the narrow blocks, Triton 0.99x and cuDNN 0.90x). Wider, cuDNN's backward kernel trains behind it
-#   (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at 4x4096x16x128 causal with 512 to 4096
-#   keys and at 2x8192x16x128 with 2048, 1.04x at 2x8192x32(8 kv)x64 with 4096 (cuDNN's pair
-#   0.96x). At D = 256 cuDNN's pair trains (the Mosaic forward on cuDNN's backward kernel 1.03x at
-#   1024 keys, 0.98-0.99x at 2048; the portable backward 0.42-0.48x; results/features_NVIDIA_H200_
-#   20261130-101720.json, -101912.json, -121445.json to -122329.json).
+#   0.92x at 256; at 128, on the narrow blocks, Triton 0.99x and cuDNN 0.90x). Wider, cuDNN's
+#   backward kernel trains behind it (_MOSAIC_ON_CUDNN): on an H200 1.02-1.06x cuDNN's pair at
+#   4x4096x16x128 causal with 512 to 4096 keys and at 2x8192x16x128 with 2048, 1.04x at
+#   2x8192x32(8 kv)x64 with 4096 (cuDNN's pair 0.96x). At D = 256 cuDNN's pair trains (the Mosaic
+#   forward on cuDNN's backward kernel 1.03x at 1024 keys, 0.98-0.99x at 2048; the portable
+#   backward 0.42-0.48x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json,
+#   -121445.json to -122329.json).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where the training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.

@@ -29,7 +29,7 @@ from ._backend import AttentionBackend, AttentionShape, register_backend
 from ._reference import visible
 from ._spec import AttentionSpec
 
-__all__ = ["CUDNN", "available", "residual_bwd"]
+__all__ = ["CUDNN", "available", "mask_refusal", "residual_bwd"]
 
 _MAX_HEAD_DIM = 256
 
@@ -67,17 +67,25 @@ def _check(
         raise NotImplementedError(
             f"platform 'cudnn' supports head dims up to {_MAX_HEAD_DIM}; got {q.shape[-1]}"
         )
-    seq_q, seq_k = q.shape[1], k.shape[1]
+    refusal = mask_refusal(spec, q.shape[1], k.shape[1])
+    if refusal is not None:
+        raise NotImplementedError(refusal)
+
+
+def mask_refusal(spec: AttentionSpec, seq_q: int, seq_k: int) -> str | None:
+    """Why cuDNN cannot mask ``spec`` at these lengths (its causal mask and window align top-left
+    and look left only), or None where it can."""
     if seq_q != seq_k and (spec.causal or spec.window is not None):
-        raise NotImplementedError(
+        return (
             "platform 'cudnn' aligns causal and sliding_window masks top-left; the spec's "
             f"bottom-right alignment needs seq_q == seq_k, got {seq_q=} and {seq_k=}"
         )
     if spec.window is not None and not spec.causal and spec.window[1] != 0:
-        raise NotImplementedError(
+        return (
             "platform 'cudnn' supports a sliding_window that looks right of the diagonal only "
             f"with causal=True; got sliding_window={spec.window!r}"
         )
+    return None
 
 
 def _causal_window(spec: AttentionSpec) -> tuple[bool, int | None]:

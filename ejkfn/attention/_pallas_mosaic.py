@@ -973,11 +973,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         fused = _fused_bwd(shape, base)
         if fused:
             bwds.append(fused)
-    # cuDNN aligns a causal mask or a window top-left, and takes no window looking right
-    spec = shape.spec
-    misaligned = (spec.causal or spec.window is not None) and shape.seq_q != shape.seq_k
-    looks_right = spec.window is not None and not spec.causal and spec.window[1] != 0
-    if _cudnn.available() and not (misaligned or looks_right):
+    if _cudnn.available() and _cudnn.mask_refusal(shape.spec, shape.seq_q, shape.seq_k) is None:
         bwds.append(BwdParams(variant=CUDNN_BWD))
     bwds += [bp for _, bp in _pallas_gpu.candidates(shape)]
     for bp in bwds:
