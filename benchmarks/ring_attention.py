@@ -64,8 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=None, help="default: heads")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--causal", default="false,true", help="which masks to run")
-    p.add_argument("--platform", default="pallas", help="the local backend's platform")
-    p.add_argument("--variant", default=None, help="its variant (default: the platform's first)")
+    p.add_argument(
+        "--platform",
+        default="auto",
+        help="the local backend's platform; auto: the ring's own choice, as a call without a "
+        "config gets it",
+    )
+    p.add_argument(
+        "--variant", default=None, help="its variant (default: the first registered one)"
+    )
     p.add_argument("--iters", type=int, default=20, help="timed calls of each")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds they split into")
     p.add_argument(
@@ -75,6 +82,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "multiprocessors to its transfers (comma-separated; the library leaves "
         "_ring.TRANSFER_SMS), and the single-GPU forward on as many fewer",
     )
+    p.add_argument(
+        "--no-comm",
+        action="store_true",
+        help="also the ring with its transfers left out (each device keeps its own blocks): the "
+        "same local work and merges, to tell the transfers' share of the ring's time",
+    )
+    p.add_argument("--hlo", action="store_true", help="save the ring's compiled HLO")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -116,7 +130,21 @@ def flops(batch: int, heads: int, seq: int, dim: int, causal: bool, backward: bo
 
 
 def local_cfg(args: argparse.Namespace, seq_local: int, causal: bool) -> AttentionConfig:
-    """The config both the ring and the single-GPU baseline run: the backend's heuristic one."""
+    """The config both the ring and the single-GPU baseline run: with ``--platform auto`` the one
+    the ring picks for itself, else the named backend's heuristic one."""
+    kv_heads = args.kv_heads or args.heads
+    q = jax.ShapeDtypeStruct((args.batch, seq_local, args.heads, args.dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((args.batch, seq_local, kv_heads, args.dim), jnp.bfloat16)
+    spec = AttentionSpec(scale=args.dim**-0.5, causal=causal)
+    shape = AttentionShape.of(q, k, spec)
+    if args.platform == "auto":
+        from ejkfn.attention import _ring
+
+        local = _ring._choose("auto", None, spec, shape)
+        b = local.backend
+        return AttentionConfig(
+            platform=b.platform, variant=b.variant, fwd=local.fwd_params, bwd=local.bwd_params
+        )
     matches = [
         b
         for b in registered_backends()
@@ -128,12 +156,26 @@ def local_cfg(args: argparse.Namespace, seq_local: int, causal: bool) -> Attenti
             f"no usable backend for --platform {args.platform} --variant {args.variant}"
         )
     backend = matches[0]
-    kv_heads = args.kv_heads or args.heads
-    q = jax.ShapeDtypeStruct((args.batch, seq_local, args.heads, args.dim), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((args.batch, seq_local, kv_heads, args.dim), jnp.bfloat16)
-    spec = AttentionSpec(scale=args.dim**-0.5, causal=causal)
-    fwd, bwd = backend.heuristic(AttentionShape.of(q, k, spec))
+    fwd, bwd = backend.heuristic(shape)
     return AttentionConfig(platform=backend.platform, variant=backend.variant, fwd=fwd, bwd=bwd)
+
+
+@contextlib.contextmanager
+def transfers_left_out() -> Any:
+    """Rings traced in here skip their transfers: each device keeps the blocks it holds, so the
+    local steps and merges are the ring's and only the ``ppermute`` calls are gone (the results
+    are wrong; only their time is read)."""
+    import types
+
+    from ejkfn.attention import _ring
+
+    kept = _ring.lax
+    names = {name: getattr(kept, name) for name in dir(kept) if not name.startswith("__")}
+    _ring.lax = types.SimpleNamespace(**{**names, "ppermute": lambda x, axis_name, perm: x})
+    try:
+        yield
+    finally:
+        _ring.lax = kept
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -240,9 +282,11 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         q, k, v, do = (shards(x) for x in whole)
 
         single = functools.partial(ejkfn.flash_attention, causal=causal, cfg=cfg)
+        # With --platform auto the ring picks its backend itself, as a call without a config does.
+        ring_cfg = None if args.platform == "auto" else cfg
         ring = jax.shard_map(
             functools.partial(
-                ejkfn.ring_attention, axis_name=AXIS, causal=causal, cfg=cfg, layout=layout
+                ejkfn.ring_attention, axis_name=AXIS, causal=causal, cfg=ring_cfg, layout=layout
             ),
             mesh=mesh,
             in_specs=(PartitionSpec(None, AXIS),) * 3,
@@ -300,6 +344,23 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                     jax.jit(single).lower(*local[:3]).compile(),
                     tuple(local[:3]),
                 )
+        if args.no_comm:
+            with transfers_left_out():  # compiled in here, where the ring is traced
+                calls["ring_fwd_ms_no_comm"] = (jax.jit(ring).lower(q, k, v).compile(), (q, k, v))
+                calls["ring_fwd_bwd_ms_no_comm"] = (
+                    jax.jit(fwd_bwd(ring)).lower(q, k, v, do).compile(),
+                    (q, k, v, do),
+                )
+        if args.hlo and jax.process_index() == 0:
+            out_dir = Path(args.out)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            mask = "causal" if causal else "full"
+            for part, fn, operands in (
+                ("fwd", ring_fwd, (q, k, v)),
+                ("fwd_bwd", ring_both, (q, k, v, do)),
+            ):
+                hlo = fn.lower(*operands).compile().as_text()
+                (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(hlo)
         timings = interleaved_medians(calls, args.iters, args.rounds)
     row: dict[str, Any] = {
         "seq": seq,
@@ -312,6 +373,7 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         "causal": causal,
         "layout": layout,
         "cfg": repr(cfg),
+        "ring_platform": args.platform,  # auto: the ring chose cfg itself
         "rel_err": errors,
         **timings,
     }
@@ -347,6 +409,11 @@ def report(
             f"| {r['ring_comm_ms']:.2f} / {r['ring_fwd_ms']:.2f} |"
         )
     for r in rows:
+        for part in ("fwd", "fwd_bwd"):
+            if f"ring_{part}_ms_no_comm" in r:
+                print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "
+                      f"without its transfers {r[f'ring_{part}_ms_no_comm']:.2f}, single GPU x "
+                      f"{r['devices']} steps {r['devices'] * r[f'single_{part}_ms']:.2f}")  # fmt: skip
         for key in sorted(k for k in r if "_spared" in k):
             print(f"{r['seq']} causal={r['causal']}: {key} {r[key]:.2f} "
                   f"(as the library runs it: {r[key.split('_spared')[0]]:.2f})")  # fmt: skip

@@ -550,14 +550,22 @@ def test_clock_settle_times_each_target_after_each_predecessor(tmp_path):
 
 @pytest.mark.slow
 def test_ring_attention_benchmark_smoke(tmp_path):
-    _run("ring_attention.py", "--cpu-smoke", "--platform", "xla", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--out", str(tmp_path))  # fmt: skip
+    _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "ring_attention_2xcpu_*.json")
     assert saved["agreement"]["one_config"]
     assert [r["causal"] for r in saved["rows"]] == [False, True]
     for row in saved["rows"]:
+        # On a CPU the ring picks XLA's chunked attention itself; the baseline runs the same.
+        assert row["ring_platform"] == "auto"
+        assert "platform='xla', variant='chunked'" in row["cfg"]
         assert max(row["rel_err"].values()) < 1e-2
-        timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k]
-        assert len(timed) == 7 and all(row[k] > 0 for k in timed)
+        timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k or "_no_comm" in k]
+        assert len(timed) == 9 and all(row[k] > 0 for k in timed)
+    hlo = sorted(p.name for p in tmp_path.glob("ring_*_hlo_*.txt"))
+    assert hlo == sorted(
+        f"ring_{p}_hlo_256_{m}.txt" for p in ("fwd", "fwd_bwd") for m in ("causal", "full")
+    )
+    assert all("collective-permute" in (tmp_path / name).read_text() for name in hlo)
 
 
 @pytest.mark.slow
