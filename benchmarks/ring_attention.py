@@ -281,18 +281,26 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
 
         q, k, v, do = (shards(x) for x in whole)
 
-        single = functools.partial(ejkfn.flash_attention, causal=causal, cfg=cfg)
         # With --platform auto the ring picks its backend itself, as a call without a config does.
         ring_cfg = None if args.platform == "auto" else cfg
-        ring = jax.shard_map(
-            functools.partial(
-                ejkfn.ring_attention, axis_name=AXIS, causal=causal, cfg=ring_cfg, layout=layout
-            ),
-            mesh=mesh,
-            in_specs=(PartitionSpec(None, AXIS),) * 3,
-            out_specs=PartitionSpec(None, AXIS),
-            check_vma=False,
-        )
+
+        # Each program below traces a function object of its own: JAX reuses a function's trace
+        # for equal arguments, and the variants differ only in what is set while they trace.
+        def make_single() -> Any:
+            return functools.partial(ejkfn.flash_attention, causal=causal, cfg=cfg)
+
+        def make_ring() -> Any:
+            return jax.shard_map(
+                functools.partial(
+                    ejkfn.ring_attention, axis_name=AXIS, causal=causal, cfg=ring_cfg, layout=layout
+                ),
+                mesh=mesh,
+                in_specs=(PartitionSpec(None, AXIS),) * 3,
+                out_specs=PartitionSpec(None, AXIS),
+                check_vma=False,
+            )
+
+        single, ring = make_single(), make_ring()
         ring_fwd, ring_both = jax.jit(ring), jax.jit(fwd_bwd(ring))
 
         # Correctness: this process's shard of the ring against the single-GPU call of the whole.
@@ -337,31 +345,43 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
             # backward's grids, which the library never does.
             with transfer_sms(spared):
                 calls[f"ring_fwd_ms_spared{spared}"] = (
-                    jax.jit(ring).lower(q, k, v).compile(),
+                    jax.jit(make_ring()).lower(q, k, v).compile(),
                     (q, k, v),
                 )
                 calls[f"single_fwd_ms_spared{spared}"] = (
-                    jax.jit(single).lower(*local[:3]).compile(),
+                    jax.jit(make_single()).lower(*local[:3]).compile(),
                     tuple(local[:3]),
                 )
         if args.no_comm:
             with transfers_left_out():  # compiled in here, where the ring is traced
-                calls["ring_fwd_ms_no_comm"] = (jax.jit(ring).lower(q, k, v).compile(), (q, k, v))
+                calls["ring_fwd_ms_no_comm"] = (
+                    jax.jit(make_ring()).lower(q, k, v).compile(),
+                    (q, k, v),
+                )
                 calls["ring_fwd_bwd_ms_no_comm"] = (
-                    jax.jit(fwd_bwd(ring)).lower(q, k, v, do).compile(),
+                    jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(),
                     (q, k, v, do),
                 )
         if args.hlo and jax.process_index() == 0:
             out_dir = Path(args.out)
             out_dir.mkdir(parents=True, exist_ok=True)
             mask = "causal" if causal else "full"
-            for part, fn, operands in (
-                ("fwd", ring_fwd, (q, k, v)),
-                ("fwd_bwd", ring_both, (q, k, v, do)),
-            ):
-                hlo = fn.lower(*operands).compile().as_text()
-                (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(hlo)
+            programs = {
+                "fwd": ring_fwd.lower(q, k, v).compile(),
+                "fwd_bwd": ring_both.lower(q, k, v, do).compile(),
+            }
+            if args.no_comm:
+                programs["fwd_no_comm"] = calls["ring_fwd_ms_no_comm"][0]
+            for part, compiled in programs.items():
+                (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(compiled.as_text())
         timings = interleaved_medians(calls, args.iters, args.rounds)
+        # Every process's own readings: a ring runs at its slowest device's pace.
+        from jax.experimental import multihost_utils
+
+        names = sorted(timings)
+        mine_ms = np.array([timings[name] for name in names])
+        every = np.asarray(multihost_utils.process_allgather(mine_ms)).reshape(-1, len(names))
+        per_process = {name: every[:, i].tolist() for i, name in enumerate(names)}
     row: dict[str, Any] = {
         "seq": seq,
         "seq_local": seq_local,
@@ -376,6 +396,7 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         "ring_platform": args.platform,  # auto: the ring chose cfg itself
         "rel_err": errors,
         **timings,
+        "ms_by_process": per_process,
     }
     for part, backward in (("fwd", False), ("fwd_bwd", True)):
         ring_tf = flops(b, h, seq, d, causal, backward) / (row[f"ring_{part}_ms"] * 1e-3) / 1e12
@@ -409,6 +430,9 @@ def report(
             f"| {r['ring_comm_ms']:.2f} / {r['ring_fwd_ms']:.2f} |"
         )
     for r in rows:
+        for name, readings in sorted(r["ms_by_process"].items()):
+            print(f"{r['seq']} causal={r['causal']}: {name} by process "
+                  + " / ".join(f"{ms:.2f}" for ms in readings))  # fmt: skip
         for part in ("fwd", "fwd_bwd"):
             if f"ring_{part}_ms_no_comm" in r:
                 print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "

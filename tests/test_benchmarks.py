@@ -561,11 +561,13 @@ def test_ring_attention_benchmark_smoke(tmp_path):
         assert max(row["rel_err"].values()) < 1e-2
         timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k or "_no_comm" in k]
         assert len(timed) == 9 and all(row[k] > 0 for k in timed)
+        assert sorted(row["ms_by_process"]) == sorted(timed)
     hlo = sorted(p.name for p in tmp_path.glob("ring_*_hlo_*.txt"))
-    assert hlo == sorted(
-        f"ring_{p}_hlo_256_{m}.txt" for p in ("fwd", "fwd_bwd") for m in ("causal", "full")
-    )
-    assert all("collective-permute" in (tmp_path / name).read_text() for name in hlo)
+    parts = ("fwd", "fwd_bwd", "fwd_no_comm")
+    assert hlo == sorted(f"ring_{p}_hlo_256_{m}.txt" for p in parts for m in ("causal", "full"))
+    # Each variant is a program of its own: only the one without transfers lacks them.
+    for name in hlo:
+        assert ("collective-permute" in (tmp_path / name).read_text()) != ("no_comm" in name)
 
 
 @pytest.mark.slow
