@@ -364,8 +364,8 @@ def test_ring_pairs_of_a_window_run_in_the_mosaic_forward(causal, window):
 @pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (512, 0))])
 def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal, window):
-    """On a Hopper GPU the ring's local pairs run the Mosaic kernels (on two H200s its rings ran
-    1.15-1.36x those on the Pallas-Triton ones); a window trains on the portable backward behind
+    """On a Hopper GPU the ring's local pairs run the Mosaic kernels (on two H200s that ring trained
+    1.27-1.29x as fast as the Pallas-Triton one); a window trains on the portable backward behind
     them. Elsewhere on a GPU the Pallas-Triton kernels run them."""
     from ejkfn.attention import _api, _backend, _ring
     from ejkfn.attention._backend import AttentionShape
@@ -397,44 +397,3 @@ def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal
         assert not local.interpret
         mosaic_bwd = local.bwd_params.variant in ("mosaic", "mosaic_fused")
         assert mosaic_bwd == (hopper and window is None)
-
-
-def _bits(x):
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-def test_packed_transfers_keep_every_bit():
-    """Arrays of several dtypes sent as one buffer come back bit for bit, shapes and dtypes too."""
-    from ejkfn.attention._ring import _packed, _unpacked
-
-    rng = np.random.default_rng(0)
-    arrays = (
-        jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.bfloat16),
-        jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32).at[0, 0, 0].set(jnp.nan),
-        jnp.asarray(rng.standard_normal((4,)), jnp.float16),
-    )
-    buffer, layout = _packed(arrays)
-    assert buffer.dtype == jnp.uint16 and buffer.ndim == 1
-    for got, want in zip(_unpacked(buffer, layout), arrays, strict=True):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(np.asarray(_bits(got)), np.asarray(_bits(want)))
-
-
-@pytest.mark.parametrize("n", [2, 4])
-def test_one_transfer_a_step(key, n):
-    """XLA's GPU scheduler overlaps one collective-permute at a time with work and runs others
-    synchronously: the ring sends one buffer a step, n - 1 in the forward, and in the backward n
-    plus the one that brings dK/dV home. A bf16 ring packs its keys with float32 dK/dV."""
-    mesh = _mesh(n)
-    q, k, v, dout = (x.astype(jnp.bfloat16) for x in _inputs(key, 32, 2, 2, 16, mesh))
-    ring = functools.partial(ring_attention_sharded, mesh=mesh, axis_name="sp", causal=True)
-    forward = str(jax.make_jaxpr(ring)(q, k, v))
-    assert forward.count("ppermute[") == n - 1
-    both = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(ring, q, k, v)[1](dout))(q, k, v))
-    assert both.count("ppermute[") == (n - 1) + (n + 1)
-    out, vjp = jax.vjp(jax.jit(ring), q, k, v)
-    spec = AttentionSpec(scale=16**-0.5, causal=True)
-    f32 = [x.astype(jnp.float32) for x in _local(q, k, v, dout)]
-    want, want_grads = _reference(*f32, spec=spec)
-    for got, expected in zip((out, *vjp(dout)), (want, *want_grads), strict=True):
-        np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=0.05, atol=0.05)

@@ -395,26 +395,6 @@ def ring_attention(
     return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local, serving=serving)
 
 
-def _packed(arrays: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
-    """``arrays`` as one flat buffer of unsigned words as wide as their narrowest item, and the
-    layout :func:`_unpacked` takes them apart by."""
-    word = jnp.dtype(f"uint{8 * min(x.dtype.itemsize for x in arrays)}")
-    flat = [lax.bitcast_convert_type(x, word).reshape(-1) for x in arrays]
-    return jnp.concatenate(flat), tuple((x.shape, x.dtype) for x in arrays)
-
-
-def _unpacked(buffer: jax.Array, layout: Any) -> tuple[jax.Array, ...]:
-    """The arrays :func:`_packed` laid out in ``buffer``."""
-    arrays, start = [], 0
-    for shape, dtype in layout:
-        words = jnp.dtype(dtype).itemsize // buffer.dtype.itemsize
-        end = start + math.prod(shape) * words
-        item = buffer[start:end].reshape((*shape, words) if words > 1 else shape)
-        arrays.append(lax.bitcast_convert_type(item, dtype))
-        start = end
-    return tuple(arrays)
-
-
 def _ring(
     q: jax.Array,
     k: jax.Array,
@@ -426,21 +406,11 @@ def _ring(
     local: _Local,
     serving: _Local,
 ) -> jax.Array:
-    """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest.
-
-    XLA's GPU scheduler keeps one collective-permute in flight and runs any other beside it
-    synchronously, so every step sends one buffer, which nothing in that step waits for: the keys
-    and values stacked, and in the backward with them the dK/dV accumulated on the block held a
-    step before. The backward had sent a block's dK/dV with its keys at the next step, which could
-    only start once they arrived."""
+    """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest."""
     perm = [(i, (i + 1) % n) for i in range(n)]
 
-    def send(*xs: jax.Array) -> tuple[jax.Array, ...]:
-        """``xs`` one device along the ring, in one transfer."""
-        if len(xs) == 1:
-            return (lax.ppermute(xs[0], axis_name, perm),)
-        buffer, layout = _packed(xs)
-        return _unpacked(lax.ppermute(buffer, axis_name, perm), layout)
+    def shift(*xs: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
 
     def at_step(s: int, before: Any, wrapped: Any) -> Any:
         """``before`` on devices holding an earlier block at step ``s``, ``wrapped`` on the rest."""
@@ -454,12 +424,12 @@ def _ring(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
         out, lse = by.fwd(steps[0][0], q, k, v)
-        kv = jnp.stack((k, v)) if n > 1 else None
+        kb, vb = k, v
         for s in range(1, n):
-            (kv,) = send(kv)  # sent while the step before computes
+            kb, vb = shift(kb, vb)
 
-            def part(pair: _Pair, kv: jax.Array = kv) -> Any:
-                return by.fwd(pair, q, kv[0], kv[1])
+            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
+                return by.fwd(pair, q, kb, vb)
 
             out_s, lse_s = at_step(s, part, part)
             out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
@@ -476,27 +446,22 @@ def _ring(
     def attend_bwd(res: Any, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v, out, lse = res
         dq = jnp.zeros(q.shape, jnp.float32)
-        kv = jnp.stack((k, v)) if n > 1 else (k, v)  # the block held at this step
-        grads = None  # float32 dK/dV accumulated on the block held at the step before
+        kb, vb = k, v
+        dk = jnp.zeros(k.shape, jnp.float32)
+        dv = jnp.zeros(v.shape, jnp.float32)
         for s in range(n):
-            # Out during this step's work: its keys and values, which the next device takes at
-            # the next step (none after the last), and the dK/dV of the block held before, which
-            # the next device holds now; coming in: the same from the device before.
-            outgoing = ([kv] if s < n - 1 else []) + ([grads] if grads is not None else [])
-            incoming = list(send(*outgoing)) if outgoing else []
+            if s:
+                kb, vb, dk, dv = shift(kb, vb, dk, dv)
 
-            def part(pair: _Pair, kv: jax.Array = kv) -> Any:
-                return local.bwd(pair, q, kv[0], kv[1], out, lse, dout)
+            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
+                return local.bwd(pair, q, kb, vb, out, lse, dout)
 
             dq_s, dk_s, dv_s = at_step(s, part, part)
-            dq = dq + dq_s
-            held = jnp.stack((dk_s, dv_s))
-            grads = held + incoming.pop() if grads is not None else held
-            kv = incoming.pop() if incoming else kv
-        # The block held at the last step belongs to the next device: one more step brings its
-        # dK/dV home, already in the keys' dtype (half the bytes of float32 for 16-bit keys).
-        (grads,) = send(grads.astype(k.dtype))
-        return dq.astype(q.dtype), grads[0], grads[1]
+            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
+        # The block held at the last step belongs to the next device: one more step brings it home,
+        # already in its own dtype (the same values, half the bytes of float32 for 16-bit keys).
+        dk, dv = shift(dk.astype(k.dtype), dv.astype(v.dtype))
+        return dq.astype(q.dtype), dk, dv
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v)
