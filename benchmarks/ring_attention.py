@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from attention import device_info, fwd_bwd, interleaved_ms, rel_err
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import ejkfn
-from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
+from ejkfn.attention import (
+    AttentionConfig,
+    AttentionShape,
+    AttentionSpec,
+    _ring,
+    registered_backends,
+)
 from ejkfn.attention._mosaic_grid import sparing_sms
 
 AXIS = "sp"
@@ -138,8 +146,6 @@ def local_cfg(args: argparse.Namespace, seq_local: int, causal: bool) -> Attenti
     spec = AttentionSpec(scale=args.dim**-0.5, causal=causal)
     shape = AttentionShape.of(q, k, spec)
     if args.platform == "auto":
-        from ejkfn.attention import _ring
-
         local = _ring._choose("auto", None, spec, shape)
         b = local.backend
         return AttentionConfig(
@@ -165,10 +171,6 @@ def transfers_left_out() -> Any:
     """Rings traced in here skip their transfers: each device keeps the blocks it holds, so the
     local steps and merges are the ring's and only the ``ppermute`` calls are gone (the results
     are wrong; only their time is read)."""
-    import types
-
-    from ejkfn.attention import _ring
-
     kept = _ring.lax
     names = {name: getattr(kept, name) for name in dir(kept) if not name.startswith("__")}
     _ring.lax = types.SimpleNamespace(**{**names, "ppermute": lambda x, axis_name, perm: x})
@@ -211,8 +213,6 @@ def worker(args: argparse.Namespace) -> None:
 def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
     """One config everywhere: each process remembers a different config for the same call; inside
     ``jax.jit`` every process must use process 0's (exchanged through JAX's distributed runtime)."""
-    from jax.experimental import multihost_utils
-
     with jax.default_device(local_device):
         q = jnp.zeros((1, 4096, args.heads, args.dim), jnp.bfloat16)
         (inv,) = ejkfn.record(lambda q, k, v: ejkfn.flash_attention(q, k, v), q, q, q)
@@ -236,8 +236,6 @@ def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
 def transfer_sms(count: int) -> Any:
     """Rings traced in here leave ``count`` multiprocessors to their transfers where nothing
     differentiates them (instead of ``_ring.TRANSFER_SMS``); single-GPU kernels leave as many."""
-    from ejkfn.attention import _ring
-
     kept = _ring.TRANSFER_SMS
     _ring.TRANSFER_SMS = count
     try:
@@ -376,8 +374,6 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                 (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(compiled.as_text())
         timings = interleaved_medians(calls, args.iters, args.rounds)
         # Every process's own readings: a ring runs at its slowest device's pace.
-        from jax.experimental import multihost_utils
-
         names = sorted(timings)
         mine_ms = np.array([timings[name] for name in names])
         every = np.asarray(multihost_utils.process_allgather(mine_ms)).reshape(-1, len(names))
