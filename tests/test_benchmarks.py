@@ -131,10 +131,14 @@ def test_mosaic_variants_backward_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_mosaic_variants_times_the_portable_backward_and_banded_grids(tmp_path):
-    # the Mosaic forward with the Triton-lowering backward stands beside the Mosaic backwards'
-    # (split and fused, and their dK/dV tiles in one band, one CTA a tile and persistent)
-    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--dkdv-bands", "2", "--persistent-dkdv", "--portable-bwd", "--out", str(tmp_path))  # fmt: skip
+def test_mosaic_variants_times_the_backwards_on_other_grids_and_bands(tmp_path):
+    # One run (each costs a minute in the interpreter): the Mosaic forward with the
+    # Triton-lowering backward stands beside the Mosaic backwards' (split and fused, their dK/dV
+    # tiles in one band, one CTA a tile and persistent). At head dim 64 the split backward's dK/dV
+    # kernel takes the persistent grid and the fused one (no GQA: it feeds itself) one tile a CTA:
+    # the split one also runs its other three (dK/dV, dQ) grids and the one-tile forward, the fused
+    # one the persistent grid.
+    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--dkdv-bands", "2", "--persistent-dkdv", "--portable-bwd", "--other-grid", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
     checked = {r["impl"]: r["max_rel_err_vs_cudnn"] for r in rows}
     banded = [
@@ -142,28 +146,17 @@ def test_mosaic_variants_times_the_portable_backward_and_banded_grids(tmp_path):
         for kernel in ("split", "fused")
         for grid in ("tiles", "persistent")
     ]
-    # (the Triton-lowering backward named by its heuristic's variant at head dim 64)
-    expected = {"cudnn", "mosaic + mirrored_wide", "mosaic + split", "mosaic + fused", *banded}
-    assert set(checked) == expected
-    assert all(err < 2e-2 for err in checked.values())
-
-
-@pytest.mark.slow
-def test_mosaic_variants_times_the_backwards_on_their_other_grids(tmp_path):
-    # at head dim 64 the split backward's dK/dV kernel takes the persistent grid and the fused one
-    # (no GQA: it feeds itself) one tile a CTA: the split one also runs its other three (dK/dV, dQ)
-    # grids and the one-tile forward, the fused one the persistent grid
-    _run("mosaic_variants_gpu.py", "--cpu-smoke", "--shapes", "1x256x2x64", "--masks", "causal", "--backward", "only", "--other-grid", "--out", str(tmp_path))  # fmt: skip
-    rows = _saved(tmp_path, "mosaic_variants_*.json")["rows"]
-    checked = {r["impl"]: r["max_rel_err_vs_cudnn"] for r in rows}
     split_grids = [
         f"persistent fwd, dK/dV {dkdv}, dQ {dq}"
         for dkdv, dq in (("pers.", "pers."), ("tiles", "pers."), ("tiles", "tiles"))
     ]
+    # (the Triton-lowering backward named by its heuristic's variant at head dim 64)
     assert set(checked) == {
         "cudnn",
+        "mosaic + mirrored_wide",
         "mosaic + split",
         "mosaic + fused",
+        *banded,
         *split_grids,
         "one tile per CTA everywhere",
         "mosaic + fused, persistent",
