@@ -1338,6 +1338,10 @@ def test_causal_bands_divide_the_pairs_and_hold_enough_tiles(
     assert band_pairs(pairs, blocks, False, stream) == 1
 
 
+# One compile a shape instead of one per operation and shape: eagerly this test took 30 s.
+_segment_spans = jax.jit(segment_spans)
+
+
 @settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     batch=st.integers(1, 3),
@@ -1357,7 +1361,7 @@ def test_segment_spans_bound_every_match(
     if sorted_ids:
         q_seg, kv_seg = np.sort(q_seg, axis=1), np.sort(kv_seg, axis=1)
     q_side, kv_side = (
-        np.asarray(x) for x in segment_spans(jnp.asarray(q_seg), jnp.asarray(kv_seg))
+        np.asarray(x) for x in _segment_spans(jnp.asarray(q_seg), jnp.asarray(kv_seg))
     )
     for side, mine, other in ((q_side, q_seg, kv_seg), (kv_side, kv_seg, q_seg)):
         assert side.dtype == np.int32 and side.shape == (batch, 3, mine.shape[1])

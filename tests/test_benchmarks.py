@@ -49,10 +49,10 @@ def _saved(folder, pattern: str) -> dict:
 
 @pytest.mark.slow
 def test_attention_benchmark_checks_then_times(tmp_path):
-    _run("attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", "--settle-ms", "1", "--order-seed", "5", "--out", str(tmp_path))  # fmt: skip
+    _run("attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", "--min-batch-ms", "20", "--settle-ms", "1", "--order-seed", "5", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "attention_bench_*.json")
     assert saved["timing"] == dict(
-        calls=2, rounds=2, min_batch_ms=300.0, settle_ms=1.0, order_seed=5
+        calls=2, rounds=2, min_batch_ms=20.0, settle_ms=1.0, order_seed=5
     )
     results = saved["results"]
     timed = [r for r in results if "fwd_bwd_ms" in r]
