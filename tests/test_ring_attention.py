@@ -362,11 +362,20 @@ def test_ring_pairs_of_a_window_run_in_the_mosaic_forward(causal, window):
 
 
 @pytest.mark.parametrize("hopper", [True, False])
-@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (512, 0))])
-def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal, window):
+@pytest.mark.parametrize(
+    ("causal", "window", "dtype"),
+    [
+        (False, None, "bfloat16"),
+        (True, None, "bfloat16"),
+        (True, (512, 0), "bfloat16"),
+        (True, None, "float32"),
+    ],
+)
+def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal, window, dtype):
     """On a Hopper GPU the ring's local pairs run the Mosaic kernels (on two H200s that ring trained
     1.27-1.29x as fast as the Pallas-Triton one); a window trains on the portable backward behind
-    them. Elsewhere on a GPU the Pallas-Triton kernels run them."""
+    them. Elsewhere on a GPU, and for float32 inputs (which the Mosaic kernels refuse), the
+    Pallas-Triton kernels run them."""
     from ejkfn.attention import _api, _backend, _ring
     from ejkfn.attention._backend import AttentionShape
 
@@ -386,14 +395,15 @@ def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal
     base = AttentionSpec(scale=0.125, causal=causal, window=window)
     shape = AttentionShape(
         batch=1, seq_q=16384, seq_k=16384, heads=16, kv_heads=16, head_dim=128,
-        dtype="bfloat16", spec=base,
+        dtype=dtype, spec=base,
     )  # fmt: skip
+    mosaic_runs = hopper and dtype != "float32"
     for platform in ("auto", "pallas"):
         local = _ring._choose(platform, None, base, shape)
         assert (local.backend.platform, local.backend.variant) == (
             "pallas",
-            "mosaic" if hopper else "triton",
+            "mosaic" if mosaic_runs else "triton",
         ), platform
         assert not local.interpret
         mosaic_bwd = local.bwd_params.variant in ("mosaic", "mosaic_fused")
-        assert mosaic_bwd == (hopper and window is None)
+        assert mosaic_bwd == (mosaic_runs and window is None)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._platform import device_kind
 from .._registry import BwdParams, FwdParams
-from ._api import _AUTO_ORDER, AttentionConfig, _number, _variant_order, _window
+from ._api import _AUTO_ORDER, AttentionConfig, _number, _refusal, _variant_order, _window
 from ._backend import AttentionBackend, AttentionShape, backend_for, merge_partials
 from ._mosaic_grid import sparing_sms
 from ._spec import AttentionSpec
@@ -252,17 +252,25 @@ def _backend_for_platform(
     platform: str, needed: AttentionSpec, shape: AttentionShape
 ) -> AttentionBackend:
     """``platform``'s first variant, in ``auto``'s order of variants (the Mosaic kernels first on a
-    Hopper GPU), that runs here, takes ``needed`` and uses the saved residuals; ``auto`` tries its
-    platforms in order, down to XLA's chunked variant. An explicit platform none of whose variants
-    qualifies keeps its default one, for :func:`_choose` to refuse by name."""
+    Hopper GPU), that runs here, uses the saved residuals and can do the pairs (``needed``, at
+    ``shape``'s sizes and dtype, both passes traced abstractly: the Mosaic kernels refuse float32);
+    ``auto`` tries its platforms in order, down to XLA's chunked variant. An explicit platform none
+    of whose variants qualifies keeps its default one, for :func:`_choose` to refuse by name."""
     kind = device_kind()
+    pairs = dataclasses.replace(shape, spec=needed)
+    q = jax.ShapeDtypeStruct((shape.batch, shape.seq_q, shape.heads, shape.head_dim), shape.dtype)
+    k = jax.ShapeDtypeStruct(
+        (shape.batch, shape.seq_k, shape.kv_heads, shape.head_dim), shape.dtype
+    )
+    none = dict.fromkeys(("attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed"))
     for name in _AUTO_ORDER.get(kind, ()) if platform == "auto" else (platform,):
         for backend in _variant_order(name, shape):
             if not backend.bwd_uses_residuals or kind not in backend.devices:
                 continue
-            if not backend.available() or needed.features & backend.unsupported:
+            if not backend.available():
                 continue
-            return backend
+            if _refusal(backend, pairs, (q, k, k, None), none, backend.heuristic(shape)) is None:
+                return backend
     if platform == "auto":
         return backend_for("xla", "chunked")
     return backend_for(platform, _default_variant(platform))
