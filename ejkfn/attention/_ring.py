@@ -45,7 +45,9 @@ _INF = math.inf
 # steps take 7.0-7.6); causal (zigzag) and at 64k from 0.97x to 1.07x, inside the spread of
 # identical programs in those runs (up to 9%). Forward+backward without a mask read 3-8% slower
 # with them left in four readings, so training keeps every multiprocessor (benchmarks/NOTES.md,
-# thirty-first round).
+# thirty-first round). That benchmark traced both settings from one function object, which JAX
+# traces once for equal arguments, so those rows may be of one program: to time again
+# (sixty-sixth round).
 TRANSFER_SMS = 8
 
 
@@ -265,11 +267,10 @@ def _backend_for_platform(
     none = dict.fromkeys(("attention_mask", "q_segment_ids", "kv_segment_ids", "dropout_seed"))
     for name in _AUTO_ORDER.get(kind, ()) if platform == "auto" else (platform,):
         for backend in _variant_order(name, shape):
-            if not backend.bwd_uses_residuals or kind not in backend.devices:
+            if not (backend.bwd_uses_residuals and kind in backend.devices and backend.available()):
                 continue
-            if not backend.available():
-                continue
-            if _refusal(backend, pairs, (q, k, k, None), none, backend.heuristic(shape)) is None:
+            params = backend.heuristic(shape)
+            if _refusal(backend, pairs, (q, k, k, None), none, params) is None:
                 return backend
     if platform == "auto":
         return backend_for("xla", "chunked")
