@@ -31,9 +31,11 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -97,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "same local work and merges, to tell the transfers' share of the ring's time",
     )
     p.add_argument("--hlo", action="store_true", help="save the ring's compiled HLO")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also profile a few calls of each ring forward and report, from the GPU's kernel "
+        "timeline, how long its transfers ran beside its local kernels",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
@@ -245,6 +253,90 @@ def transfer_sms(count: int) -> Any:
         _ring.TRANSFER_SMS = kept
 
 
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as ``intervals``."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def covered(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in union(intervals))
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both ``a`` and ``b``."""
+    return covered(a) + covered(b) - covered(a + b)
+
+
+def timeline(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> dict[str, Any]:
+    """Where one call's time goes on this process's GPU, from a profile of ``calls`` calls: the
+    call's span, the time the transfers' (NCCL) kernels and the local kernels each ran, the time
+    both ran at once, and one call's kernels in order (stream, name, start and length in µs).
+
+    Calls are run apart (a sleep between them) so that each one's kernels form one cluster."""
+    from jax.profiler import ProfileData
+
+    jax.block_until_ready(fn(*operands))
+    where = Path(tempfile.mkdtemp(prefix="ring_timeline_"))
+    with jax.profiler.trace(str(where)):
+        for _ in range(calls):
+            jax.block_until_ready(fn(*operands))
+            time.sleep(0.02)
+    (path,) = where.glob("plugins/profile/*/*.xplane.pb")
+    kernels = []  # (start µs, end µs, stream, kernel name)
+    lines = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        lines += [f"{plane.name} {line.name}" for line in plane.lines]
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue  # the derived lines (XLA ops, modules) repeat the streams' kernels
+            for e in line.events:
+                start = e.start_ns / 1e3
+                kernels.append((start, start + e.duration_ns / 1e3, line.name, e.name))
+    shutil.rmtree(where, ignore_errors=True)
+    return {**summarize(kernels), "profile_lines": lines}
+
+
+def summarize(kernels: list[tuple[float, float, str, str]]) -> dict[str, Any]:
+    """:func:`timeline`'s figures from ``(start µs, end µs, stream, kernel name)`` of calls run
+    apart: kernels less than 5 ms after the last one ended belong to the same call."""
+    kernels = sorted(kernels)
+    clusters: list[list[tuple[float, float, str, str]]] = []
+    for k in kernels:
+        if clusters and k[0] - max(c[1] for c in clusters[-1]) < 5000:
+            clusters[-1].append(k)
+        else:
+            clusters.append([k])
+    per_call = []
+    for cluster in clusters:
+        comm = [(s, e) for s, e, _, n in cluster if "nccl" in n.lower()]
+        local = [(s, e) for s, e, _, n in cluster if "nccl" not in n.lower()]
+        per_call.append(
+            {
+                "span_us": max(e for _, e, _, _ in cluster) - cluster[0][0],
+                "local_us": covered(local),
+                "transfers_us": covered(comm),
+                "both_us": overlap(local, comm),
+                "kernels": len(cluster),
+            }
+        )
+    last = clusters[-1] if clusters else []
+    return {
+        "calls": per_call,
+        "one_call": [
+            (stream, kernel[:60], round(s - last[0][0], 1), round(e - s, 1))
+            for s, e, stream, kernel in last
+        ],
+    }
+
+
 def interleaved_medians(
     calls: dict[str, tuple[Any, tuple[jax.Array, ...]]], iters: int, rounds: int
 ) -> dict[str, float]:
@@ -373,6 +465,10 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
             for part, compiled in programs.items():
                 (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(compiled.as_text())
         timings = interleaved_medians(calls, args.iters, args.rounds)
+        timelines = {}
+        if args.timeline:
+            for name in sorted(n for n in calls if n.startswith("ring_fwd_ms")):
+                timelines[name] = timeline(*calls[name])
         # Every process's own readings: a ring runs at its slowest device's pace.
         names = sorted(timings)
         mine_ms = np.array([timings[name] for name in names])
@@ -394,6 +490,8 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         **timings,
         "ms_by_process": per_process,
     }
+    if timelines:
+        row["timeline"] = timelines
     for part, backward in (("fwd", False), ("fwd_bwd", True)):
         ring_tf = flops(b, h, seq, d, causal, backward) / (row[f"ring_{part}_ms"] * 1e-3) / 1e12
         single_tf = flops(b, h, seq_local, d, causal, backward) / (row[f"single_{part}_ms"] * 1e-3)
@@ -434,6 +532,13 @@ def report(
                 print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "
                       f"without its transfers {r[f'ring_{part}_ms_no_comm']:.2f}, single GPU x "
                       f"{r['devices']} steps {r['devices'] * r[f'single_{part}_ms']:.2f}")  # fmt: skip
+        for name, seen in sorted(r.get("timeline", {}).items()):
+            for i, c in enumerate(seen["calls"]):
+                print(f"{r['seq']} causal={r['causal']}: {name} call {i}: span {c['span_us']:.0f} "
+                      f"us, local kernels {c['local_us']:.0f}, transfers {c['transfers_us']:.0f}, "
+                      f"both at once {c['both_us']:.0f} ({c['kernels']} kernels)")  # fmt: skip
+            for stream, kernel, start, length in seen["one_call"]:
+                print(f"    {stream[:24]:24} {start:9.1f} {length:8.1f}  {kernel}")
         for key in sorted(k for k in r if "_spared" in k):
             print(f"{r['seq']} causal={r['causal']}: {key} {r[key]:.2f} "
                   f"(as the library runs it: {r[key.split('_spared')[0]]:.2f})")  # fmt: skip

@@ -541,9 +541,30 @@ def test_clock_settle_times_each_target_after_each_predecessor(tmp_path):
     _run("clock_settle_gpu.py", "--impls", "no such kernel", "--out", str(tmp_path), returncode=2)
 
 
+def test_ring_timeline_tells_transfers_beside_local_kernels():
+    (ring,) = _benchmark_modules("ring_attention")
+    kernels = [  # two calls 20 ms apart; a transfer half under a local kernel, then alone
+        (0.0, 100.0, "Stream #1", "flash_fwd"),
+        (50.0, 130.0, "Stream #2", "ncclDevKernel_SendRecv"),
+        (140.0, 160.0, "Stream #1", "merge"),
+        (20000.0, 20100.0, "Stream #1", "flash_fwd"),
+        (20050.0, 20130.0, "Stream #2", "ncclDevKernel_SendRecv"),
+    ]
+    seen = ring.summarize(kernels)
+    assert seen["calls"][0] == {
+        "span_us": 160.0,
+        "local_us": 120.0,
+        "transfers_us": 80.0,
+        "both_us": 50.0,
+        "kernels": 3,
+    }
+    assert seen["calls"][1]["span_us"] == 130.0 and seen["calls"][1]["kernels"] == 2
+    assert [k[2] for k in seen["one_call"]] == [0.0, 50.0]
+
+
 @pytest.mark.slow
 def test_ring_attention_benchmark_smoke(tmp_path):
-    _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--out", str(tmp_path))  # fmt: skip
+    _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--timeline", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "ring_attention_2xcpu_*.json")
     assert saved["agreement"]["one_config"]
     assert [r["causal"] for r in saved["rows"]] == [False, True]
@@ -555,6 +576,13 @@ def test_ring_attention_benchmark_smoke(tmp_path):
         timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k or "_no_comm" in k]
         assert len(timed) == 9 and all(row[k] > 0 for k in timed)
         assert sorted(row["ms_by_process"]) == sorted(timed)
+        # Every ring forward profiled (a CPU has no GPU kernels to count, only the profile).
+        assert sorted(row["timeline"]) == [
+            "ring_fwd_ms",
+            "ring_fwd_ms_no_comm",
+            "ring_fwd_ms_spared0",
+        ]
+        assert all(seen["profile_lines"] for seen in row["timeline"].values())
     hlo = sorted(p.name for p in tmp_path.glob("ring_*_hlo_*.txt"))
     parts = ("fwd", "fwd_bwd", "fwd_no_comm")
     assert hlo == sorted(f"ring_{p}_hlo_256_{m}.txt" for p in parts for m in ("causal", "full"))
