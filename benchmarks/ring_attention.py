@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--variant", default=None, help="its variant (default: the first registered one)"
     )
+    p.add_argument(
+        "--layout",
+        choices=("auto", "contiguous"),
+        default="auto",
+        help="how the sequence is sharded; auto: zigzag where causal, else contiguous",
+    )
     p.add_argument("--iters", type=int, default=20, help="timed calls of each")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds they split into")
     p.add_argument(
@@ -90,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="also the ring whose forward, where nothing differentiates it, leaves this many "
         "multiprocessors to its transfers (comma-separated; the library leaves "
-        "_ring.TRANSFER_SMS), and the single-GPU forward on as many fewer",
+        "_ring._transfer_sms's count), and the single-GPU forward on as many fewer",
     )
     p.add_argument(
         "--no-comm",
@@ -243,14 +249,15 @@ def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
 @contextlib.contextmanager
 def transfer_sms(count: int) -> Any:
     """Rings traced in here leave ``count`` multiprocessors to their transfers where nothing
-    differentiates them (instead of ``_ring.TRANSFER_SMS``); single-GPU kernels leave as many."""
-    kept = _ring.TRANSFER_SMS
-    _ring.TRANSFER_SMS = count
+    differentiates them, masked or not (instead of ``_ring._transfer_sms``'s choice); single-GPU
+    kernels leave as many."""
+    kept = _ring._transfer_sms
+    _ring._transfer_sms = lambda spec: count
     try:
         with sparing_sms(count):
             yield
     finally:
-        _ring.TRANSFER_SMS = kept
+        _ring._transfer_sms = kept
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -351,8 +358,8 @@ def interleaved_medians(
 
 def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads) -> dict[str, Any]:
     seq_local = seq // n
-    layout = "zigzag" if causal else "contiguous"
-    order = ejkfn.zigzag_order(seq, n) if causal else np.arange(seq)
+    layout = "zigzag" if causal and args.layout == "auto" else "contiguous"
+    order = ejkfn.zigzag_order(seq, n) if layout == "zigzag" else np.arange(seq)
     cfg = local_cfg(args, seq_local, causal)
     b, h, d = args.batch, args.heads, args.dim
     with jax.default_device(local_device):
@@ -513,7 +520,7 @@ def report(
     print(header)
     print("|" + "---|" * 6)
     for r in rows:
-        mask = "causal (zigzag)" if r["causal"] else "none"
+        mask = f"causal ({r['layout']})" if r["causal"] else "none"
         err = max(r["rel_err"].values())
         print(
             f"| {r['seq']} ({r['seq_local']}) | {mask} | {err:.1e} "

@@ -40,15 +40,19 @@ __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order"]
 
 _INF = math.inf
 # Multiprocessors the local forward's persistent grid leaves to the ring's transfers where nothing
-# differentiates the call. On two H200s at 32k keys without a mask the ring's forward took 0.76x,
-# 0.88x, 0.99x and 0.88x the time with 8 left as with none in four runs (7.6-10.4 ms; two local
-# steps take 7.0-7.6); causal (zigzag) and at 64k from 0.97x to 1.07x, inside the spread of
-# identical programs in those runs (up to 9%). Forward+backward without a mask read 3-8% slower
-# with them left in four readings, so training keeps every multiprocessor (benchmarks/NOTES.md,
-# thirty-first round). That benchmark traced both settings from one function object, which JAX
-# traces once for equal arguments, so those rows may be of one program: to time again
-# (sixty-sixth round).
-TRANSFER_SMS = 8
+# differentiates the call and nothing masks it. On two H200s (benchmarks/NOTES.md, sixty-seventh
+# round), the ring's forward without a mask took 0.96x, 0.96x and 0.93x the time with 16 left as
+# with none at 32k keys and 0.98x and 0.99x at 64k; 8, the old value, read 1.05-1.13x and
+# 1.02-1.08x the time of 16 (NCCL's transfer mostly started only as the step before ended), 24
+# 1.05x and 1.01x. Causal rings, zigzag or contiguous, ran fastest
+# with none left: XLA runs their transfers before the first step, never beside one, so a spared
+# multiprocessor only slows the steps. Training keeps every multiprocessor (thirty-first round).
+TRANSFER_SMS = 16
+
+
+def _transfer_sms(spec: AttentionSpec) -> int:
+    """Multiprocessors a forward nothing differentiates leaves to the ring's transfers."""
+    return TRANSFER_SMS if not spec.causal and spec.window is None else 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -396,7 +400,7 @@ def ring_attention(
     serving = local
     if cfg is not None and cfg.inference is not None:
         serving = _choose(platform, cfg.inference, base, shape, differentiated=False)
-    serving = dataclasses.replace(serving, spared_sms=TRANSFER_SMS)
+    serving = dataclasses.replace(serving, spared_sms=_transfer_sms(base))
     if layout == "zigzag":
         steps = _zigzag_steps(base, length, n)
     else:
