@@ -41,12 +41,12 @@ __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order"]
 _INF = math.inf
 # Multiprocessors the local forward's persistent grid leaves to the ring's transfers where nothing
 # differentiates the call and nothing masks it. On two H200s (benchmarks/NOTES.md, sixty-seventh
-# round), the ring's forward without a mask took 0.96x, 0.96x and 0.93x the time with 16 left as
-# with none at 32k keys and 0.98x and 0.99x at 64k; 8, the old value, read 1.05-1.13x and
-# 1.02-1.08x the time of 16 (NCCL's transfer mostly started only as the step before ended), 24
-# 1.05x and 1.01x. Causal rings, zigzag or contiguous, ran fastest
-# with none left: XLA runs their transfers before the first step, never beside one, so a spared
-# multiprocessor only slows the steps. Training keeps every multiprocessor (thirty-first round).
+# round) the ring's forward without a mask took 0.93-0.96x the time with 16 left as with none at
+# 32k keys (four runs) and 0.98-0.99x at 64k; 8, the old value, 1.04-1.13x and 1.02-1.08x the time
+# of 16 (NCCL's transfer mostly started only as the step before ended); 24, 1.05x and 1.01x.
+# Causal rings, zigzag or contiguous, ran fastest with none left: XLA runs their transfers before
+# the first step, never beside one, so a spared multiprocessor only slows the steps. Training keeps
+# every multiprocessor (thirty-first round).
 TRANSFER_SMS = 16
 
 
