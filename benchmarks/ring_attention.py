@@ -558,9 +558,10 @@ def report(
     kind = str(info.get("device_kind", "device")).replace(" ", "_")
     settings = {k: v for k, v in vars(args).items() if k != "out"}  # not where it was written
     path = out / f"ring_attention_{n}x{kind}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(
-        json.dumps({"device": info, "args": settings, "rows": rows, "agreement": agreed}, indent=1)
-    )
+    # What else shapes the transfers (NCCL's channels, XLA's collective flags) travels with them.
+    environment = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "XLA_FLAGS"))}
+    saved = {"device": info, "args": settings, "environment": environment, "rows": rows}
+    path.write_text(json.dumps({**saved, "agreement": agreed}, indent=1))
     print(f"saved {path}")
 
 

@@ -567,6 +567,7 @@ def test_ring_attention_benchmark_smoke(tmp_path):
     _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--timeline", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "ring_attention_2xcpu_*.json")
     assert saved["agreement"]["one_config"]
+    assert saved["environment"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     assert [r["causal"] for r in saved["rows"]] == [False, True]
     for row in saved["rows"]:
         # On a CPU the ring picks XLA's chunked attention itself; the baseline runs the same.
