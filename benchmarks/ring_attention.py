@@ -19,7 +19,8 @@ Per-GPU throughput of the ring is its FLOPs divided by the time and by the numbe
 is that over the single-GPU kernel's TFLOP/s at the per-device length. Process 0 prints the table and
 writes JSON to ``--out``.
 
-Usage: ``python benchmarks/ring_attention.py [--processes 2] [--seqs 32768,65536] [--out DIR]``.
+Usage: ``python benchmarks/ring_attention.py [--processes 2] [--seqs 32768,65536] [--out DIR]``;
+``--processes 1`` drives every local GPU from one process instead.
 On a CPU, ``--cpu-smoke`` runs one process over two host devices at a small size (a check of the
 script, not a measurement).
 """
@@ -41,6 +42,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -67,7 +70,13 @@ AXIS = "sp"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--processes", type=int, default=2, help="one per GPU")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="one per GPU; 1: this process drives every local GPU (where XLA may copy between "
+        "them without NCCL: --xla_gpu_use_memcpy_local_p2p)",
+    )
     p.add_argument("--seqs", default="32768,65536", help="whole-sequence lengths")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=16)
@@ -126,9 +135,7 @@ def free_port() -> int:
 
 def launch(args: argparse.Namespace) -> int:
     port = free_port()
-    env = dict(os.environ)
-    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
-    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env = dict(os.environ)  # with NVLink multicast off (set above)
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, *sys.argv[1:], "--worker", str(i), "--port", str(port)],
@@ -195,7 +202,7 @@ def transfers_left_out() -> Any:
 
 
 def worker(args: argparse.Namespace) -> None:
-    if not args.cpu_smoke:
+    if not args.cpu_smoke and args.processes > 1:
         jax.distributed.initialize(
             coordinator_address=f"127.0.0.1:{args.port}",
             num_processes=args.processes,
@@ -297,10 +304,12 @@ def timeline(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> dic
     (path,) = where.glob("plugins/profile/*/*.xplane.pb")
     kernels = []  # (start µs, end µs, stream, kernel name)
     lines = []
-    for plane in ProfileData.from_file(str(path)).planes:
+    planes = list(ProfileData.from_file(str(path)).planes)
+    for plane in planes:
         lines += [f"{plane.name} {line.name}" for line in plane.lines]
-        if not plane.name.startswith("/device:GPU"):
-            continue
+    # The first GPU's kernels only: one process driving every GPU profiles them all.
+    gpus = sorted((p for p in planes if p.name.startswith("/device:GPU")), key=lambda p: p.name)
+    for plane in gpus[:1]:
         for line in plane.lines:
             if not line.name.startswith("Stream"):
                 continue  # the derived lines (XLA ops, modules) repeat the streams' kernels
@@ -567,7 +576,7 @@ def report(
 
 def main() -> int:
     args = parse_args()
-    if args.worker is None and not args.cpu_smoke:
+    if args.worker is None and not args.cpu_smoke and args.processes > 1:
         return launch(args)
     worker(args)
     return 0
