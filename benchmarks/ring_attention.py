@@ -74,8 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--processes",
         type=int,
         default=2,
-        help="one per GPU; 1: this process drives every local GPU (where XLA may copy between "
-        "them without NCCL: --xla_gpu_use_memcpy_local_p2p)",
+        help="one per GPU; 1: this process drives every local GPU (the setting of XLA's "
+        "--xla_gpu_use_memcpy_local_p2p, which on jax 0.11.2 still ran NCCL's kernels)",
     )
     p.add_argument("--seqs", default="32768,65536", help="whole-sequence lengths")
     p.add_argument("--batch", type=int, default=1)
