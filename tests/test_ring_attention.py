@@ -410,3 +410,48 @@ def test_auto_rings_run_the_mosaic_kernels_on_hopper(monkeypatch, hopper, causal
         assert not local.interpret
         mosaic_bwd = local.bwd_params.variant in ("mosaic", "mosaic_fused")
         assert mosaic_bwd == (mosaic_runs and window is None)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_each_step_and_the_next_transfer_form_one_scheduling_group(key, monkeypatch, layout):
+    """Every step outside a ``lax.cond`` shares an XLA scheduling group with the transfer of the
+    next step's keys (so XLA runs its kernel while they travel), forward and backward; nothing is
+    grouped with the groups switched off."""
+    from ejkfn.attention import _ring
+
+    mesh = _mesh(4)
+    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    cfg = AttentionConfig(platform="xla", variant="chunked")
+    body = functools.partial(
+        ring_attention, axis_name="sp", cfg=cfg, causal=layout == "zigzag", layout=layout
+    )
+    spec = P(None, "sp")
+
+    def ring(q, k, v):  # traced anew by each jit below (JAX would reuse a shard_map's trace)
+        mapped = functools.partial(jax.shard_map, mesh=mesh, out_specs=spec, check_vma=False)
+        return mapped(body, in_specs=(spec,) * 3)(q, k, v)
+
+    def train(q, k, v, do):
+        return jax.vjp(ring, q, k, v)[1](do)
+
+    def groups(fn, *args):
+        """Per scheduling group id: how many collective permutes it holds, and how many ops."""
+        text = jax.jit(lambda *a: fn(*a)).lower(*args).as_text()
+        found = {}
+        for line in text.splitlines():
+            if "_scheduling_group_id" in line:
+                gid = line.split('_scheduling_group_id = "')[1].split('"')[0]
+                permutes, ops = found.get(gid, (0, 0))
+                found[gid] = (permutes + ("collective_permute" in line), ops + 1)
+        return found
+
+    # Contiguous: steps 0-2 grouped (the last has no next transfer). Zigzag: only step 0 is not a
+    # lax.cond (the diagonal); the others choose their pair by device.
+    expected = 3 if layout == "contiguous" else 1
+    for fn, args, passes in ((ring, (q, k, v), 1), (train, (q, k, v, do), 2)):
+        found = groups(fn, *args)
+        assert len(found) == expected * passes, found
+        # Each group: K's and V's transfers and the step's own ops.
+        assert all(permutes == 2 and ops > 2 for permutes, ops in found.values()), found
+    monkeypatch.setattr(_ring, "SCHEDULING_GROUPS", False)
+    assert groups(ring, q, k, v) == {} and groups(train, q, k, v, do) == {}
