@@ -113,12 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also the ring with its transfers left out (each device keeps its own blocks): the "
         "same local work and merges, to tell the transfers' share of the ring's time",
     )
-    p.add_argument(
-        "--ungrouped",
-        action="store_true",
-        help="also the ring without its XLA scheduling groups (each step's kernel left to XLA's "
-        "scheduler to place beside the next transfer or not)",
-    )
     p.add_argument("--hlo", action="store_true", help="save the ring's compiled HLO")
     p.add_argument(
         "--timeline",
@@ -205,17 +199,6 @@ def transfers_left_out() -> Any:
         yield
     finally:
         _ring.lax = kept
-
-
-@contextlib.contextmanager
-def ungrouped() -> Any:
-    """Rings traced in here leave their steps' order around the transfers to XLA's scheduler."""
-    kept = _ring.SCHEDULING_GROUPS
-    _ring.SCHEDULING_GROUPS = False
-    try:
-        yield
-    finally:
-        _ring.SCHEDULING_GROUPS = kept
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -474,16 +457,6 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                 calls[f"single_fwd_ms_spared{spared}"] = (
                     jax.jit(make_single()).lower(*local[:3]).compile(),
                     tuple(local[:3]),
-                )
-        if args.ungrouped:
-            with ungrouped():  # compiled in here, where the ring is traced
-                calls["ring_fwd_ms_ungrouped"] = (
-                    jax.jit(make_ring()).lower(q, k, v).compile(),
-                    (q, k, v),
-                )
-                calls["ring_fwd_bwd_ms_ungrouped"] = (
-                    jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(),
-                    (q, k, v, do),
                 )
         if args.no_comm:
             with transfers_left_out():  # compiled in here, where the ring is traced

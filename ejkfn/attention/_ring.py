@@ -18,10 +18,8 @@ mask array is built, and a pair that sees nothing is skipped (``lax.cond`` on th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 from typing import Any
 
@@ -29,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.xla_metadata import set_xla_metadata
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._platform import device_kind
@@ -51,11 +48,6 @@ _INF = math.inf
 # the first step, never beside one, so a spared multiprocessor only slows the steps. Training keeps
 # every multiprocessor (thirty-first round).
 TRANSFER_SMS = 16
-
-
-# Whether each step's kernel and the next step's transfer form one XLA scheduling group (below).
-SCHEDULING_GROUPS = True
-_GROUP_IDS = itertools.count()  # one id a group; every process traces the same sequence
 
 
 def _transfer_sms(spec: AttentionSpec) -> int:
@@ -441,32 +433,19 @@ def _ring(
         index = lax.axis_index(axis_name)
         return lax.cond(index >= s, lambda: before(pair_b), lambda: wrapped(pair_w))
 
-    def beside_next_transfer(s: int) -> Any:
-        """Where step ``s`` runs outside a ``lax.cond``, the ops traced in here (its kernel and the
-        transfer of the next step's keys) form one XLA scheduling group, which puts the kernel
-        between the transfer's start and end; else nothing."""
-        if not SCHEDULING_GROUPS or steps[s][0] != steps[s][1] or s == n - 1:
-            return contextlib.nullcontext()
-        return set_xla_metadata(_scheduling_group_id=str(next(_GROUP_IDS)))
-
     def forward(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
+        out, lse = by.fwd(steps[0][0], q, k, v)
         kb, vb = k, v
-        out = lse = None
-        for s in range(n):
+        for s in range(1, n):
+            kb, vb = shift(kb, vb)
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return by.fwd(pair, q, kb, vb)
 
-            with beside_next_transfer(s):
-                out_s, lse_s = at_step(s, part, part)
-                if s < n - 1:
-                    kb, vb = shift(kb, vb)
-            if out is None:
-                out, lse = out_s, lse_s
-            else:
-                out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
+            out_s, lse_s = at_step(s, part, part)
+            out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
         return out.astype(q.dtype), lse
 
     @jax.custom_vjp
@@ -485,15 +464,12 @@ def _ring(
         dv = jnp.zeros(v.shape, jnp.float32)
         for s in range(n):
             if s:
-                dk, dv = shift(dk, dv)  # the block's gradients travel with it
+                kb, vb, dk, dv = shift(kb, vb, dk, dv)
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return local.bwd(pair, q, kb, vb, out, lse, dout)
 
-            with beside_next_transfer(s):
-                dq_s, dk_s, dv_s = at_step(s, part, part)
-                if s < n - 1:
-                    kb, vb = shift(kb, vb)
+            dq_s, dk_s, dv_s = at_step(s, part, part)
             dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
         # The block held at the last step belongs to the next device: one more step brings it home,
         # already in its own dtype (the same values, half the bytes of float32 for 16-bit keys).
