@@ -562,6 +562,26 @@ def test_ring_timeline_tells_transfers_beside_local_kernels():
     assert [k[2] for k in seen["one_call"]] == [0.0, 50.0]
 
 
+def test_ring_schedule_lists_each_programs_work_in_order(tmp_path):
+    _run("ring_schedule.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--out", str(tmp_path))  # fmt: skip
+    saved = _saved(tmp_path, "ring_schedule_2xcpu_*.json")
+    programs = {(p["part"], p["causal"]): p["schedule"] for p in saved["programs"]}
+    assert sorted(programs) == [
+        ("fwd", False),
+        ("fwd", True),
+        ("fwd_bwd", False),
+        ("fwd_bwd", True),
+    ]
+    for (part, causal), order in programs.items():
+        opcodes = [opcode for _, opcode in order]
+        assert not {"parameter", "constant", "tuple"} & set(opcodes)
+        # Two devices: K and V travel once (training reuses the forward's transfer); dK and dV
+        # twice, with their block and then home.
+        transfers = sum(op.startswith("collective-permute") and op != "collective-permute-done" for op in opcodes)  # fmt: skip
+        assert transfers == (2 if part == "fwd" else 6), (part, causal, opcodes)
+        assert ("conditional" in opcodes) == causal  # the zigzag's second step picks its pair
+
+
 @pytest.mark.slow
 def test_ring_attention_benchmark_smoke(tmp_path):
     _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--timeline", "--out", str(tmp_path))  # fmt: skip
