@@ -30,7 +30,7 @@ if "--cpu-smoke" in sys.argv:  # two host devices; must be set before jax starts
 import jax
 import jax.numpy as jnp
 import numpy as np
-from attention import device_info
+from attention import device_info, fwd_bwd
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -91,10 +91,8 @@ def main() -> int:
                 )
                 return mapped(q, k, v)
 
-            def train(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.Array, ring=ring):
-                return jax.vjp(ring, q, k, v)[1](do)
-
-            for part, fn, operands in (("fwd", ring, (x,) * 3), ("fwd_bwd", train, (x,) * 4)):
+            training = fwd_bwd(ring)
+            for part, fn, operands in (("fwd", ring, (x,) * 3), ("fwd_bwd", training, (x,) * 4)):
                 order = schedule(jax.jit(fn).lower(*operands).compile().as_text())
                 programs.append({"seq": seq, "causal": causal, "part": part, "schedule": order})
                 print(f"--- {part}, {seq} keys, {'causal (zigzag)' if causal else 'no mask'}")
