@@ -286,7 +286,7 @@ def test_sparing_sms_keeps_the_long_causal_forward_persistent():
 def test_only_undifferentiated_unmasked_rings_spare_multiprocessors(key, monkeypatch, causal):
     """A forward nothing differentiates or masks leaves ``TRANSFER_SMS`` to the ring's transfers
     (measured faster there); a differentiated or causal one keeps every multiprocessor (measured
-    slower otherwise: XLA runs a causal ring's transfers before its first step, not beside it)."""
+    slower otherwise)."""
     from ejkfn.attention import _ring
 
     spared = []
@@ -309,6 +309,51 @@ def test_only_undifferentiated_unmasked_rings_spare_multiprocessors(key, monkeyp
     spared.clear()
     jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
     assert spared and set(spared) == {0}
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in it, each with its own jaxpr's."""
+    for eqn in jaxpr.eqns:
+        yield eqn, jaxpr
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_each_forward_step_meets_its_arriving_block_at_a_barrier(key, layout):
+    """Each forward step's key/value transfer and the step before meet at an optimization barrier:
+    without it XLA scheduled a causal ring's transfers before its first step instead of beside it
+    (benchmarks/NOTES.md, sixty-eighth round). The backward has none (one there cost 2-3%)."""
+    n = 4
+    mesh = _mesh(n)
+    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    cfg = AttentionConfig(platform="xla", variant="chunked")
+    body = functools.partial(ring_attention, axis_name="sp", cfg=cfg, causal=True, layout=layout)
+    spec = P(None, "sp")
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+
+    def barriers(jaxpr):
+        found = []
+        for eqn, where in _eqns(jaxpr):
+            if eqn.primitive.name == "optimization_barrier":
+                sent = {
+                    id(out)
+                    for e in where.eqns
+                    if e.primitive.name == "ppermute"
+                    for out in e.outvars
+                }
+                found.append(sum(id(x) in sent for x in eqn.invars))
+            if eqn.primitive.name == "ppermute":
+                assert len(eqn.invars) == 1  # one block an equation (what the count below needs)
+        return found
+
+    # out and lse of the step before, then the arriving key and value blocks.
+    assert barriers(jax.make_jaxpr(ring)(q, k, v).jaxpr) == [2] * (n - 1)
+    training = jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
+    assert barriers(training.jaxpr) == [2] * (n - 1)  # the forward's only
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])

@@ -44,9 +44,10 @@ _INF = math.inf
 # round) the ring's forward without a mask took 0.93-0.96x the time with 16 left as with none at
 # 32k keys (four runs) and 0.98-0.99x at 64k; 8, the old value, 1.04-1.13x and 1.02-1.08x the time
 # of 16 (NCCL's transfer mostly started only as the step before ended); 24, 1.05x and 1.01x.
-# Causal rings, zigzag or contiguous, ran fastest with none left: XLA runs their transfers before
-# the first step, never beside one, so a spared multiprocessor only slows the steps. Training keeps
-# every multiprocessor (thirty-first round).
+# Causal rings, zigzag or contiguous, ran fastest with none left: XLA then ran their transfers
+# before the first step, so a spared multiprocessor only slowed the steps. With the value block's
+# transfer beside the first step (sixty-eighth round) none still led: 4.04-4.06 ms against
+# 4.55-4.62 with 16 at 32k zigzag. Training keeps every multiprocessor (thirty-first round).
 TRANSFER_SMS = 16
 
 
@@ -439,7 +440,9 @@ def _ring(
         out, lse = by.fwd(steps[0][0], q, k, v)
         kb, vb = k, v
         for s in range(1, n):
-            kb, vb = shift(kb, vb)
+            # The block arriving and the step before meet here, so XLA's scheduler runs that step
+            # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
+            out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(kb, vb)))
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return by.fwd(pair, q, kb, vb)
