@@ -115,6 +115,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hlo", action="store_true", help="save the ring's compiled HLO")
     p.add_argument(
+        "--pgle",
+        action="store_true",
+        help="also the ring compiled again with its kernels' measured times (XLA's profile-guided "
+        "latency estimation, process 0's profile in every process), for XLA's scheduler to place "
+        "its transfers by",
+    )
+    p.add_argument(
         "--timeline",
         action="store_true",
         help="also profile a few calls of each ring forward and report, from the GPU's kernel "
@@ -265,6 +272,40 @@ def transfer_sms(count: int) -> Any:
             yield
     finally:
         _ring._transfer_sms = kept
+
+
+def process0s(blob: bytes) -> bytes:
+    """Process 0's ``blob`` in every process (collectives need one schedule everywhere)."""
+    if jax.process_count() == 1:
+        return blob
+    longest = int(np.max(multihost_utils.process_allgather(np.array([len(blob)]))))
+    padded = np.zeros(longest + 8, np.uint8)  # its length first, then the bytes
+    padded[:8] = np.frombuffer(np.int64(len(blob)).tobytes(), np.uint8)
+    padded[8 : 8 + len(blob)] = np.frombuffer(blob, np.uint8)
+    chosen = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    size = int(np.frombuffer(chosen[:8].tobytes(), np.int64)[0])
+    return chosen[8 : 8 + size].tobytes()
+
+
+def profile_guided(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> Any:
+    """``fn`` (a ``jax.jit``) compiled again with the times its instructions took in a profile
+    of ``calls`` calls (``fdo_profile``: XLA's latency-hiding scheduler then orders the program by
+    measured kernel and transfer times instead of its cost model)."""
+    from jax.experimental import profiler as exp_profiler
+
+    lowered = fn.lower(*operands)
+    compiled = lowered.compile()
+    jax.block_until_ready(compiled(*operands))
+    where = Path(tempfile.mkdtemp(prefix="ring_pgle_"))
+    with jax.profiler.trace(str(where)):
+        for _ in range(calls):
+            jax.block_until_ready(compiled(*operands))
+    (run_dir,) = (d for d in where.glob("plugins/profile/*") if d.is_dir())
+    profile = process0s(exp_profiler.get_profiled_instructions_proto(str(run_dir)))
+    shutil.rmtree(where, ignore_errors=True)
+    if not profile:
+        raise RuntimeError("the profile recorded no instruction times (not an NVIDIA GPU?)")
+    return lowered.compile(compiler_options={"fdo_profile": profile})
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -468,6 +509,12 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                     jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(),
                     (q, k, v, do),
                 )
+        if args.pgle:
+            calls["ring_fwd_ms_pgle"] = (profile_guided(jax.jit(make_ring()), (q, k, v)), (q, k, v))
+            calls["ring_fwd_bwd_ms_pgle"] = (
+                profile_guided(jax.jit(fwd_bwd(make_ring())), (q, k, v, do)),
+                (q, k, v, do),
+            )
         if args.hlo and jax.process_index() == 0:
             out_dir = Path(args.out)
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -478,6 +525,9 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
             }
             if args.no_comm:
                 programs["fwd_no_comm"] = calls["ring_fwd_ms_no_comm"][0]
+            if args.pgle:
+                programs["fwd_pgle"] = calls["ring_fwd_ms_pgle"][0]
+                programs["fwd_bwd_pgle"] = calls["ring_fwd_bwd_ms_pgle"][0]
             for part, compiled in programs.items():
                 (out_dir / f"ring_{part}_hlo_{seq}_{mask}.txt").write_text(compiled.as_text())
         timings = interleaved_medians(calls, args.iters, args.rounds)
@@ -555,6 +605,10 @@ def report(
                       f"both at once {c['both_us']:.0f} ({c['kernels']} kernels)")  # fmt: skip
             for stream, kernel, start, length in seen["one_call"]:
                 print(f"    {stream[:24]:24} {start:9.1f} {length:8.1f}  {kernel}")
+        for part in ("fwd", "fwd_bwd"):
+            if f"ring_{part}_ms_pgle" in r:
+                print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "
+                      f"scheduled by its measured times {r[f'ring_{part}_ms_pgle']:.2f}")  # fmt: skip
         for key in sorted(k for k in r if "_spared" in k):
             print(f"{r['seq']} causal={r['causal']}: {key} {r[key]:.2f} "
                   f"(as the library runs it: {r[key.split('_spared')[0]]:.2f})")  # fmt: skip
