@@ -115,6 +115,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hlo", action="store_true", help="save the ring's compiled HLO")
     p.add_argument(
+        "--compiler-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also the ring compiled with this XLA option (repeatable; e.g. "
+        "xla_gpu_collective_permute_combine_threshold_bytes=1073741824, one transfer for the key "
+        "and value blocks), as a user passes it to jax.jit(compiler_options=...)",
+    )
+    p.add_argument(
         "--pgle",
         action="store_true",
         help="also the ring compiled again with its kernels' measured times (XLA's profile-guided "
@@ -509,6 +518,16 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                     jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(),
                     (q, k, v, do),
                 )
+        if args.compiler_option:
+            options = dict(o.split("=", 1) for o in args.compiler_option)
+            calls["ring_fwd_ms_options"] = (
+                jax.jit(make_ring()).lower(q, k, v).compile(options),
+                (q, k, v),
+            )
+            calls["ring_fwd_bwd_ms_options"] = (
+                jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(options),
+                (q, k, v, do),
+            )
         if args.pgle:
             calls["ring_fwd_ms_pgle"] = (profile_guided(jax.jit(make_ring()), (q, k, v)), (q, k, v))
             calls["ring_fwd_bwd_ms_pgle"] = (
@@ -606,6 +625,9 @@ def report(
             for stream, kernel, start, length in seen["one_call"]:
                 print(f"    {stream[:24]:24} {start:9.1f} {length:8.1f}  {kernel}")
         for part in ("fwd", "fwd_bwd"):
+            if f"ring_{part}_ms_options" in r:
+                print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "
+                      f"with {args.compiler_option} {r[f'ring_{part}_ms_options']:.2f}")  # fmt: skip
             if f"ring_{part}_ms_pgle" in r:
                 print(f"{r['seq']} causal={r['causal']}: ring {part} {r[f'ring_{part}_ms']:.2f} ms, "
                       f"scheduled by its measured times {r[f'ring_{part}_ms_pgle']:.2f}")  # fmt: skip

@@ -584,7 +584,7 @@ def test_ring_schedule_lists_each_programs_work_in_order(tmp_path):
 
 @pytest.mark.slow
 def test_ring_attention_benchmark_smoke(tmp_path):
-    _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--timeline", "--out", str(tmp_path))  # fmt: skip
+    _run("ring_attention.py", "--cpu-smoke", "--seqs", "256", "--heads", "2", "--dim", "32", "--iters", "2", "--rounds", "2", "--transfer-sms", "0", "--no-comm", "--hlo", "--timeline", "--compiler-option", "xla_gpu_collective_permute_combine_threshold_bytes=1073741824", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "ring_attention_2xcpu_*.json")
     assert saved["agreement"]["one_config"]
     assert saved["environment"]["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
@@ -594,13 +594,15 @@ def test_ring_attention_benchmark_smoke(tmp_path):
         assert row["ring_platform"] == "auto"
         assert "platform='xla', variant='chunked'" in row["cfg"]
         assert max(row["rel_err"].values()) < 1e-2
-        timed = [k for k in row if k.endswith("_ms") or "_ms_spared" in k or "_no_comm" in k]
-        assert len(timed) == 9 and all(row[k] > 0 for k in timed)
+        timed = [k for k in row if k.endswith(("_ms", "_ms_options")) or "_ms_spared" in k or "_no_comm" in k]  # fmt: skip
+        assert len(timed) == 11 and all(row[k] > 0 for k in timed)
+        assert {"ring_fwd_ms_options", "ring_fwd_bwd_ms_options"} <= set(timed)
         assert sorted(row["ms_by_process"]) == sorted(timed)
         # Every ring forward profiled (a CPU has no GPU kernels to count, only the profile).
         assert sorted(row["timeline"]) == [
             "ring_fwd_ms",
             "ring_fwd_ms_no_comm",
+            "ring_fwd_ms_options",
             "ring_fwd_ms_spared0",
         ]
         assert all(seen["profile_lines"] for seen in row["timeline"].values())
