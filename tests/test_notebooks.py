@@ -53,6 +53,9 @@ EXPECTED: dict[str, tuple[str, ...]] = {
         "batch axes: {'shard_map'",
         "tuned for flash_attention/",
         "same output: True",
+        "max |ring - one device| = ",
+        "max |ring dq, dk, dv - one device's| = ",
+        "with the option, same output: True",
     ),
     "05_attention_features": (
         "max |packed - one call a document| = ",
