@@ -232,8 +232,7 @@ def _choose(
         backend = backend_for(cfg.platform, cfg.variant or _default_variant(cfg.platform))
         params = (cfg.fwd, cfg.bwd)
     else:
-        backend = _backend_for_platform(platform, needed, shape)
-        params = backend.heuristic(shape)
+        backend, params = _backend_for_platform(platform, needed, shape)
     if differentiated and not backend.bwd_uses_residuals:
         # Its backward normalises with its own row sums, not the whole sequence's out and lse that
         # a ring passes in; on xla the chunked variant computes the same numbers blockwise.
@@ -257,12 +256,13 @@ def _needed(base: AttentionSpec) -> AttentionSpec:
 
 def _backend_for_platform(
     platform: str, needed: AttentionSpec, shape: AttentionShape
-) -> AttentionBackend:
+) -> tuple[AttentionBackend, tuple[FwdParams, BwdParams]]:
     """``platform``'s first variant, in ``auto``'s order of variants (the Mosaic kernels first on a
     Hopper GPU), that runs here, uses the saved residuals and can do the pairs (``needed``, at
-    ``shape``'s sizes and dtype, both passes traced abstractly: the Mosaic kernels refuse float32);
-    ``auto`` tries its platforms in order, down to XLA's chunked variant. An explicit platform none
-    of whose variants qualifies keeps its default one, for :func:`_choose` to refuse by name."""
+    ``shape``'s sizes and dtype, both passes traced abstractly: the Mosaic kernels refuse float32),
+    with its heuristic's params for ``shape``; ``auto`` tries its platforms in order, down to XLA's
+    chunked variant. An explicit platform none of whose variants qualifies keeps its default one,
+    for :func:`_choose` to refuse by name."""
     kind = device_kind()
     pairs = dataclasses.replace(shape, spec=needed)
     q = jax.ShapeDtypeStruct((shape.batch, shape.seq_q, shape.heads, shape.head_dim), shape.dtype)
@@ -276,10 +276,12 @@ def _backend_for_platform(
                 continue
             params = backend.heuristic(shape)
             if _refusal(backend, pairs, (q, k, k, None), none, params) is None:
-                return backend
+                return backend, params
     if platform == "auto":
-        return backend_for("xla", "chunked")
-    return backend_for(platform, _default_variant(platform))
+        fallback = backend_for("xla", "chunked")
+    else:
+        fallback = backend_for(platform, _default_variant(platform))
+    return fallback, fallback.heuristic(shape)
 
 
 def _check(name: str, x: Any) -> None:
