@@ -296,6 +296,23 @@ def process0s(blob: bytes) -> bytes:
     return chosen[8 : 8 + size].tobytes()
 
 
+@contextlib.contextmanager
+def profiled(fn: Any, operands: tuple[jax.Array, ...], calls: int, pause_s: float = 0.0) -> Any:
+    """The profile directory (``plugins/profile/<run>``) of ``calls`` calls of ``fn``, after one
+    unprofiled call, with ``pause_s`` after each; removed on leaving."""
+    jax.block_until_ready(fn(*operands))
+    where = Path(tempfile.mkdtemp(prefix="ring_profile_"))
+    try:
+        with jax.profiler.trace(str(where)):
+            for _ in range(calls):
+                jax.block_until_ready(fn(*operands))
+                time.sleep(pause_s)
+        (run_dir,) = (d for d in where.glob("plugins/profile/*") if d.is_dir())
+        yield run_dir
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def profile_guided(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> Any:
     """``fn`` (a ``jax.jit``) compiled again with the times its instructions took in a profile
     of ``calls`` calls (``fdo_profile``: XLA's latency-hiding scheduler then orders the program by
@@ -303,15 +320,8 @@ def profile_guided(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) 
     from jax.experimental import profiler as exp_profiler
 
     lowered = fn.lower(*operands)
-    compiled = lowered.compile()
-    jax.block_until_ready(compiled(*operands))
-    where = Path(tempfile.mkdtemp(prefix="ring_pgle_"))
-    with jax.profiler.trace(str(where)):
-        for _ in range(calls):
-            jax.block_until_ready(compiled(*operands))
-    (run_dir,) = (d for d in where.glob("plugins/profile/*") if d.is_dir())
-    profile = process0s(exp_profiler.get_profiled_instructions_proto(str(run_dir)))
-    shutil.rmtree(where, ignore_errors=True)
+    with profiled(lowered.compile(), operands, calls) as run_dir:
+        profile = process0s(exp_profiler.get_profiled_instructions_proto(str(run_dir)))
     if not profile:
         raise RuntimeError("the profile recorded no instruction times (not an NVIDIA GPU?)")
     return lowered.compile(compiler_options={"fdo_profile": profile})
@@ -345,16 +355,12 @@ def timeline(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> dic
     Calls are run apart (a sleep between them) so that each one's kernels form one cluster."""
     from jax.profiler import ProfileData
 
-    jax.block_until_ready(fn(*operands))
-    where = Path(tempfile.mkdtemp(prefix="ring_timeline_"))
-    with jax.profiler.trace(str(where)):
-        for _ in range(calls):
-            jax.block_until_ready(fn(*operands))
-            time.sleep(0.02)
-    (path,) = where.glob("plugins/profile/*/*.xplane.pb")
+    with profiled(fn, operands, calls, pause_s=0.02) as run_dir:
+        (path,) = run_dir.glob("*.xplane.pb")
+        xspace = path.read_bytes()
+    planes = list(ProfileData.from_serialized_xspace(xspace).planes)
     kernels = []  # (start µs, end µs, stream, kernel name)
     lines = []
-    planes = list(ProfileData.from_file(str(path)).planes)
     for plane in planes:
         lines += [f"{plane.name} {line.name}" for line in plane.lines]
     # The first GPU's kernels only: one process driving every GPU profiles them all.
@@ -366,7 +372,6 @@ def timeline(fn: Any, operands: tuple[jax.Array, ...], *, calls: int = 3) -> dic
             for e in line.events:
                 start = e.start_ns / 1e3
                 kernels.append((start, start + e.duration_ns / 1e3, line.name, e.name))
-    shutil.rmtree(where, ignore_errors=True)
     return {**summarize(kernels), "profile_lines": lines}
 
 
@@ -508,32 +513,24 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
                     jax.jit(make_single()).lower(*local[:3]).compile(),
                     tuple(local[:3]),
                 )
+
+        def ring_programs(suffix: str, compile_: Any) -> None:
+            """The ring's forward and training programs, each a fresh trace compiled by
+            ``compile_(jitted, operands)``, timed as ``ring_{fwd,fwd_bwd}_ms_{suffix}``."""
+            for part, fn, operands in (
+                ("fwd", make_ring(), (q, k, v)),
+                ("fwd_bwd", fwd_bwd(make_ring()), (q, k, v, do)),
+            ):
+                calls[f"ring_{part}_ms_{suffix}"] = (compile_(jax.jit(fn), operands), operands)
+
         if args.no_comm:
             with transfers_left_out():  # compiled in here, where the ring is traced
-                calls["ring_fwd_ms_no_comm"] = (
-                    jax.jit(make_ring()).lower(q, k, v).compile(),
-                    (q, k, v),
-                )
-                calls["ring_fwd_bwd_ms_no_comm"] = (
-                    jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(),
-                    (q, k, v, do),
-                )
+                ring_programs("no_comm", lambda fn, operands: fn.lower(*operands).compile())
         if args.compiler_option:
             options = dict(o.split("=", 1) for o in args.compiler_option)
-            calls["ring_fwd_ms_options"] = (
-                jax.jit(make_ring()).lower(q, k, v).compile(options),
-                (q, k, v),
-            )
-            calls["ring_fwd_bwd_ms_options"] = (
-                jax.jit(fwd_bwd(make_ring())).lower(q, k, v, do).compile(options),
-                (q, k, v, do),
-            )
+            ring_programs("options", lambda fn, operands: fn.lower(*operands).compile(options))
         if args.pgle:
-            calls["ring_fwd_ms_pgle"] = (profile_guided(jax.jit(make_ring()), (q, k, v)), (q, k, v))
-            calls["ring_fwd_bwd_ms_pgle"] = (
-                profile_guided(jax.jit(fwd_bwd(make_ring())), (q, k, v, do)),
-                (q, k, v, do),
-            )
+            ring_programs("pgle", profile_guided)
         if args.hlo and jax.process_index() == 0:
             out_dir = Path(args.out)
             out_dir.mkdir(parents=True, exist_ok=True)

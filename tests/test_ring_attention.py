@@ -282,6 +282,21 @@ def test_sparing_sms_keeps_the_long_causal_forward_persistent():
         assert not _pallas_mosaic.forward_persistent(True, keys)
 
 
+def _xla_ring_jaxprs(key, n=4, **kwargs):
+    """``(forward, training)``: functions tracing an XLA-chunked ring over ``n`` host devices
+    (``kwargs`` to :func:`ring_attention`) into its forward's and its VJP's jaxprs."""
+    mesh = _mesh(n)
+    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    cfg = AttentionConfig(platform="xla", variant="chunked")
+    body = functools.partial(ring_attention, axis_name="sp", cfg=cfg, **kwargs)
+    spec = P(None, "sp")
+    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    return (
+        lambda: jax.make_jaxpr(ring)(q, k, v),
+        lambda: jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q),
+    )
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_only_undifferentiated_unmasked_rings_spare_multiprocessors(key, monkeypatch, causal):
     """A forward nothing differentiates or masks leaves ``TRANSFER_SMS`` to the ring's transfers
@@ -297,17 +312,12 @@ def test_only_undifferentiated_unmasked_rings_spare_multiprocessors(key, monkeyp
         return real(count)
 
     monkeypatch.setattr(_ring, "sparing_sms", recording)
-    mesh = _mesh(4)
-    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
-    cfg = AttentionConfig(platform="xla", variant="chunked")
-    body = functools.partial(ring_attention, axis_name="sp", cfg=cfg, causal=causal)
-    spec = P(None, "sp")
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    jax.make_jaxpr(ring)(q, k, v)
+    forward, training = _xla_ring_jaxprs(key, causal=causal)
+    forward()
     assert spared and set(spared) == {0 if causal else _ring.TRANSFER_SMS}
     assert _ring.TRANSFER_SMS > 0
     spared.clear()
-    jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
+    training()
     assert spared and set(spared) == {0}
 
 
@@ -328,12 +338,7 @@ def test_each_forward_step_meets_its_arriving_block_at_a_barrier(key, layout):
     without it XLA scheduled a causal ring's transfers before its first step instead of beside it
     (benchmarks/NOTES.md, sixty-eighth round). The backward has none (one there cost 2-3%)."""
     n = 4
-    mesh = _mesh(n)
-    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
-    cfg = AttentionConfig(platform="xla", variant="chunked")
-    body = functools.partial(ring_attention, axis_name="sp", cfg=cfg, causal=True, layout=layout)
-    spec = P(None, "sp")
-    ring = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    forward, training = _xla_ring_jaxprs(key, n=n, causal=True, layout=layout)
 
     def barriers(jaxpr):
         found = []
@@ -351,9 +356,8 @@ def test_each_forward_step_meets_its_arriving_block_at_a_barrier(key, layout):
         return found
 
     # out and lse of the step before, then the arriving key and value blocks.
-    assert barriers(jax.make_jaxpr(ring)(q, k, v).jaxpr) == [2] * (n - 1)
-    training = jax.make_jaxpr(lambda q: jax.vjp(lambda q: ring(q, k, v), q)[1](do))(q)
-    assert barriers(training.jaxpr) == [2] * (n - 1)  # the forward's only
+    assert barriers(forward().jaxpr) == [2] * (n - 1)
+    assert barriers(training().jaxpr) == [2] * (n - 1)  # the forward's only
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])
