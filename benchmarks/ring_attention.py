@@ -133,8 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--timeline",
         action="store_true",
-        help="also profile a few calls of each ring forward and report, from the GPU's kernel "
-        "timeline, how long its transfers ran beside its local kernels",
+        help="also profile a few calls of each ring program (forward and training) and report, "
+        "from the GPU's kernel timeline, how long its transfers ran beside its local kernels",
     )
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     p.add_argument("--cpu-smoke", action="store_true")
@@ -549,7 +549,7 @@ def one_case(args, seq, causal, n, mine, local_device, mesh, sharding, kv_heads)
         timings = interleaved_medians(calls, args.iters, args.rounds)
         timelines = {}
         if args.timeline:
-            for name in sorted(n for n in calls if n.startswith("ring_fwd_ms")):
+            for name in sorted(n for n in calls if n.startswith("ring_fwd")):
                 timelines[name] = timeline(*calls[name])
         # Every process's own readings: a ring runs at its slowest device's pace.
         names = sorted(timings)

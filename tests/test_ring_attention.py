@@ -282,11 +282,11 @@ def test_sparing_sms_keeps_the_long_causal_forward_persistent():
         assert not _pallas_mosaic.forward_persistent(True, keys)
 
 
-def _xla_ring_jaxprs(key, n=4, **kwargs):
+def _xla_ring_jaxprs(key, n=4, dtype=jnp.float32, **kwargs):
     """``(forward, training)``: functions tracing an XLA-chunked ring over ``n`` host devices
     (``kwargs`` to :func:`ring_attention`) into its forward's and its VJP's jaxprs."""
     mesh = _mesh(n)
-    q, k, v, do = _inputs(key, 64, 2, 2, 16, mesh)
+    q, k, v, do = (x.astype(dtype) for x in _inputs(key, 64, 2, 2, 16, mesh))
     cfg = AttentionConfig(platform="xla", variant="chunked")
     body = functools.partial(ring_attention, axis_name="sp", cfg=cfg, **kwargs)
     spec = P(None, "sp")
@@ -358,6 +358,51 @@ def test_each_forward_step_meets_its_arriving_block_at_a_barrier(key, layout):
     # out and lse of the step before, then the arriving key and value blocks.
     assert barriers(forward().jaxpr) == [2] * (n - 1)
     assert barriers(training().jaxpr) == [2] * (n - 1)  # the forward's only
+
+
+def _computes(eqn):
+    """Whether ``eqn`` (or a jaxpr nested in it) multiplies matrices: a local step's."""
+    return eqn.primitive.name == "dot_general" or any(
+        e.primitive.name == "dot_general" for e, _ in _eqns_of(eqn)
+    )
+
+
+def _eqns_of(eqn):
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            sub = getattr(sub, "jaxpr", sub)
+            if hasattr(sub, "eqns"):
+                yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_backward_ends_each_block_where_it_lives(key, layout):
+    """The backward visits blocks in the forward's reverse order, sending them the other way
+    round, so each device's last step is on its own block and nothing it computes is sent (the old
+    trip home of dk/dv waited for every kernel; NOTES, sixty-ninth round). dk and dv travel stacked,
+    one transfer a step, and the blocks' keys and values n - 1 times, as in the forward."""
+    n = 4
+    _, training = _xla_ring_jaxprs(key, n=n, dtype=jnp.bfloat16, causal=True, layout=layout)
+    maps = [e for e in training().jaxpr.eqns if e.primitive.name == "shard_map"]
+    backward = maps[-1].params["jaxpr"]
+    eqns = backward.eqns
+    sends = [i for i, e in enumerate(eqns) if e.primitive.name == "ppermute"]
+    back = tuple((i, (i - 1) % n) for i in range(n))
+    assert {eqns[i].params["perm"] for i in sends} == {back}
+    stacked = [i for i in sends if eqns[i].invars[0].aval.shape[0] == 2]
+    assert len(stacked) == n - 1
+    assert len(sends) - len(stacked) == 2 * (n - 1)
+    # The first holds one step's dk/dv, bf16 like the keys; later ones float32 sums.
+    sent = [eqns[i].invars[0].aval.dtype for i in stacked]
+    assert sent == [jnp.bfloat16] + [jnp.float32] * (n - 2)
+    # Nothing the last step computes is sent anywhere.
+    last = max(i for i, e in enumerate(eqns) if _computes(e))
+    after = {id(v) for v in eqns[last].outvars}
+    for e in eqns[last + 1 :]:
+        if any(id(v) in after for v in e.invars):
+            assert e.primitive.name != "ppermute"
+            after |= {id(v) for v in e.outvars}
+    assert len(after) > len(eqns[last].outvars)  # the walk did follow the step's outputs
 
 
 @pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])

@@ -2,10 +2,11 @@
 
 Each device of the ring keeps its queries; key/value blocks travel one step around the ring
 (``lax.ppermute``) per step, and each device runs the local backend on the pair (its queries, the block
-it holds), merging partial results through their log-sum-exp. The backward pass is a second ring: a
-block's ``dk``/``dv`` accumulators travel with it and come home after the last step, while ``dq``
-accumulates where the queries live. Nothing quadratic in the sequence is held: per device, memory is
-linear in the local sequence length (plus the local backend's own tiles).
+it holds), merging partial results through their log-sum-exp. The backward pass is a second ring,
+its steps in reverse and its blocks travelling the other way: a block's ``dk``/``dv`` partial sums
+travel with it and end where it lives, while ``dq`` accumulates where the queries live. Nothing
+quadratic in the sequence is held: per device, memory is linear in the local sequence length (plus
+the local backend's own tiles).
 
 Positions: with ``n`` devices and local length ``L``, device ``i`` holds queries and keys
 ``[i * L, (i + 1) * L)`` of one self-attention sequence. At step ``s`` device ``i`` holds key block
@@ -469,24 +470,38 @@ def _ring(
         return out, (q, k, v, out, lse)
 
     def attend_bwd(res: Any, dout: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # The forward's steps in reverse, blocks travelling the other way round: device i starts on
+        # block i + 1 (the forward's last, whose transfer XLA shares with the forward's where the
+        # permutations are equal: two devices) and ends on its own, so each block's dk/dv partial
+        # sum, travelling with it, ends where the block lives; no transfer follows the last step.
         q, k, v, out, lse = res
+        back = [(i, (i - 1) % n) for i in range(n)]
+
+        def shift_back(x: jax.Array) -> jax.Array:
+            return lax.ppermute(x, axis_name, back)
+
         dq = jnp.zeros(q.shape, jnp.float32)
-        kb, vb = k, v
-        dk = jnp.zeros(k.shape, jnp.float32)
-        dv = jnp.zeros(v.shape, jnp.float32)
-        for s in range(n):
-            if s:
-                kb, vb, dk, dv = shift(kb, vb, dk, dv)
+        dkv = None  # dk and dv stacked: one transfer a step (XLA runs one at a time beside a step)
+        kb, vb = (shift_back(k), shift_back(v)) if n > 1 else (k, v)
+        for s in reversed(range(n)):
+            if s == 0:
+                kb, vb = k, v  # its own block: already here
+            elif s < n - 1:
+                kb, vb = shift_back(kb), shift_back(vb)
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return local.bwd(pair, q, kb, vb, out, lse, dout)
 
             dq_s, dk_s, dv_s = at_step(s, part, part)
-            dq, dk, dv = dq + dq_s, dk + dk_s, dv + dv_s
-        # The block held at the last step belongs to the next device: one more step brings it home,
-        # already in its own dtype (the same values, half the bytes of float32 for 16-bit keys).
-        dk, dv = shift(dk.astype(k.dtype), dv.astype(v.dtype))
-        return dq.astype(q.dtype), dk, dv
+            dq = dq + dq_s
+            dkv_s = jnp.stack((dk_s, dv_s))
+            if dkv is None:
+                # One step's partial is the backend's dk/dv, in k's dtype (the VJP's contract):
+                # sent in it, exactly, at half float32's bytes for 16-bit keys.
+                dkv = dkv_s.astype(k.dtype)
+            else:
+                dkv = shift_back(dkv).astype(jnp.float32) + dkv_s
+        return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(q, k, v)
