@@ -20,7 +20,6 @@ mask array is built, and a pair that sees nothing is skipped (``lax.cond`` on th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -169,11 +168,13 @@ class _Local:
     spared_sms: int = 0  # left free by the forward's persistent grid (mosaic_grid.sparing_sms)
 
     def fwd(self, pair: _Pair, q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
-        """``(out, lse)`` of ``q`` against the pair's keys, float32, padded back to all rows."""
+        """``(out, lse)`` of ``q`` against the pair's keys, padded back to all rows: ``out`` in
+        ``q``'s dtype, as the backend gives it (a float32 copy out of a ``lax.cond`` cost a pass
+        over it), ``lse`` in float32."""
         batch, length, heads, dim = q.shape
         if pair.spec is None:
             return (
-                jnp.zeros((batch, length, heads, dim), jnp.float32),
+                jnp.zeros((batch, length, heads, dim), q.dtype),
                 jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
             )
         qs, ks = pair.q_start, pair.k_start
@@ -183,7 +184,7 @@ class _Local:
                 None, None, None, None, None,
                 spec=pair.spec, params=self.fwd_params, interpret=self.interpret,
             )  # fmt: skip
-        out = _pad_rows(out.astype(jnp.float32), qs, length, 1)
+        out = _pad_rows(out.astype(q.dtype), qs, length, 1)
         lse = _pad_rows(lse.astype(jnp.float32), qs, length, 2, -jnp.inf)
         return out, lse
 
@@ -197,10 +198,10 @@ class _Local:
         lse: jax.Array,
         dout: jax.Array,
     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(dq, dk, dv)`` in float32 of the pair, given the global ``out`` and ``lse`` of ``q``."""
+        """``(dq, dk, dv)`` of the pair in the inputs' dtypes, given the global ``out`` and ``lse``
+        of ``q``."""
         if pair.spec is None:
-            zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
-            return zeros(q.shape), zeros(k.shape), zeros(v.shape)
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
         rows = slice(pair.q_start, pair.q_start + pair.q_len)
         keys = slice(pair.k_start, pair.k_start + pair.k_len)
         dq, dk, dv, _ = self.backend.bwd(
@@ -211,9 +212,9 @@ class _Local:
         )  # fmt: skip
         length = q.shape[1]
         return (
-            _pad_rows(dq.astype(jnp.float32), pair.q_start, length, 1),
-            _pad_rows(dk.astype(jnp.float32), pair.k_start, length, 1),
-            _pad_rows(dv.astype(jnp.float32), pair.k_start, length, 1),
+            _pad_rows(dq.astype(q.dtype), pair.q_start, length, 1),
+            _pad_rows(dk.astype(k.dtype), pair.k_start, length, 1),
+            _pad_rows(dv.astype(v.dtype), pair.k_start, length, 1),
         )
 
 
@@ -493,14 +494,14 @@ def _ring(
                 return local.bwd(pair, q, kb, vb, out, lse, dout)
 
             dq_s, dk_s, dv_s = at_step(s, part, part)
-            dq = dq + dq_s
+            dq = dq + dq_s.astype(jnp.float32)
             dkv_s = jnp.stack((dk_s, dv_s))
             if dkv is None:
                 # One step's partial is the backend's dk/dv, in k's dtype (the VJP's contract):
                 # sent in it, exactly, at half float32's bytes for 16-bit keys.
-                dkv = dkv_s.astype(k.dtype)
+                dkv = dkv_s
             else:
-                dkv = shift_back(dkv).astype(jnp.float32) + dkv_s
+                dkv = shift_back(dkv).astype(jnp.float32) + dkv_s.astype(jnp.float32)
         return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
