@@ -405,6 +405,26 @@ def test_backward_ends_each_block_where_it_lives(key, layout):
     assert len(after) > len(eqns[last].outvars)  # the walk did follow the step's outputs
 
 
+def test_steps_hand_on_their_outputs_in_the_inputs_dtype(key):
+    """Each step's ``lax.cond`` returns the backend's outputs in their own dtypes (16-bit out, dq,
+    dk and dv; float32 lse): float32 copies there cost a pass each on the GPU (NOTES, sixty-ninth
+    round); the merges and sums convert as they read."""
+    forward, training = _xla_ring_jaxprs(key, dtype=jnp.bfloat16, causal=True)
+
+    def cond_outputs(jaxpr):
+        return [
+            [str(v.aval.dtype) for v in e.outvars]
+            for e, _ in _eqns(jaxpr)
+            if e.primitive.name == "cond"
+        ]
+
+    fwd = cond_outputs(forward().jaxpr)
+    assert fwd and all(kinds == ["bfloat16", "float32"] for kinds in fwd)
+    maps = [e for e in training().jaxpr.eqns if e.primitive.name == "shard_map"]
+    bwd = cond_outputs(maps[-1].params["jaxpr"])
+    assert bwd and all(kinds == ["bfloat16"] * 3 for kinds in bwd)
+
+
 @pytest.mark.parametrize(("causal", "window"), [(True, (150, 0)), (False, (70, 90))])
 def test_ring_pairs_of_a_window_run_in_the_mosaic_forward(causal, window):
     """A ring given a Mosaic config runs its local pairs, a window's too, in the Mosaic forward.
