@@ -321,15 +321,21 @@ def test_only_undifferentiated_unmasked_rings_spare_multiprocessors(key, monkeyp
     assert spared and set(spared) == {0}
 
 
+def _nested(eqn):
+    """The jaxprs nested in ``eqn``'s parameters (a cond's branches, a scan's body...)."""
+    for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+            sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+            if hasattr(sub, "eqns"):
+                yield sub
+
+
 def _eqns(jaxpr):
     """Every equation of ``jaxpr`` and of the jaxprs nested in it, each with its own jaxpr's."""
     for eqn in jaxpr.eqns:
         yield eqn, jaxpr
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
-                if hasattr(sub, "eqns"):
-                    yield from _eqns(sub)
+        for sub in _nested(eqn):
+            yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -363,16 +369,8 @@ def test_each_forward_step_meets_its_arriving_block_at_a_barrier(key, layout):
 def _computes(eqn):
     """Whether ``eqn`` (or a jaxpr nested in it) multiplies matrices: a local step's."""
     return eqn.primitive.name == "dot_general" or any(
-        e.primitive.name == "dot_general" for e, _ in _eqns_of(eqn)
+        e.primitive.name == "dot_general" for sub in _nested(eqn) for e, _ in _eqns(sub)
     )
-
-
-def _eqns_of(eqn):
-    for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-            sub = getattr(sub, "jaxpr", sub)
-            if hasattr(sub, "eqns"):
-                yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
