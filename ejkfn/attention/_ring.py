@@ -432,9 +432,10 @@ def _ring(
     serving: _Local,
 ) -> jax.Array:
     """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest."""
-    perm = [(i, (i + 1) % n) for i in range(n)]
+    ahead = [(i, (i + 1) % n) for i in range(n)]  # the forward's direction
+    back = [(i, (i - 1) % n) for i in range(n)]  # the backward's
 
-    def shift(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    def shift(perm: list[tuple[int, int]], *xs: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
 
     def at_step(s: int, before: Any, wrapped: Any) -> Any:
@@ -453,7 +454,7 @@ def _ring(
         for s in range(1, n):
             # The block arriving and the step before meet here, so XLA's scheduler runs that step
             # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
-            out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(kb, vb)))
+            out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(ahead, kb, vb)))
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return by.fwd(pair, q, kb, vb)
@@ -476,19 +477,12 @@ def _ring(
         # permutations are equal: two devices) and ends on its own, so each block's dk/dv partial
         # sum, travelling with it, ends where the block lives; no transfer follows the last step.
         q, k, v, out, lse = res
-        back = [(i, (i - 1) % n) for i in range(n)]
-
-        def shift_back(x: jax.Array) -> jax.Array:
-            return lax.ppermute(x, axis_name, back)
-
         dq = jnp.zeros(q.shape, jnp.float32)
         dkv = None  # dk and dv stacked: one transfer a step (XLA runs one at a time beside a step)
-        kb, vb = (shift_back(k), shift_back(v)) if n > 1 else (k, v)
+        kb, vb = k, v
         for s in reversed(range(n)):
-            if s == 0:
-                kb, vb = k, v  # its own block: already here
-            elif s < n - 1:
-                kb, vb = shift_back(kb), shift_back(vb)
+            # The last step is on the device's own block, already here.
+            kb, vb = (k, v) if s == 0 else shift(back, kb, vb)
 
             def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
                 return local.bwd(pair, q, kb, vb, out, lse, dout)
@@ -501,7 +495,8 @@ def _ring(
                 # sent in it, exactly, at half float32's bytes for 16-bit keys.
                 dkv = dkv_s
             else:
-                dkv = shift_back(dkv).astype(jnp.float32) + dkv_s.astype(jnp.float32)
+                (dkv,) = shift(back, dkv)
+                dkv = dkv.astype(jnp.float32) + dkv_s.astype(jnp.float32)
         return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
     attend.defvjp(attend_fwd, attend_bwd)
