@@ -47,7 +47,9 @@ _INF = math.inf
 # Causal rings, zigzag or contiguous, ran fastest with none left: XLA then ran their transfers
 # before the first step, so a spared multiprocessor only slowed the steps. With the value block's
 # transfer beside the first step (sixty-eighth round) none still led: 4.04-4.06 ms against
-# 4.55-4.62 with 16 at 32k zigzag. Training keeps every multiprocessor (thirty-first round).
+# 4.55-4.62 with 16 at 32k zigzag. Training keeps every multiprocessor (thirty-first round). The
+# last step, beside which nothing travels, keeps them all (seventieth round: the forward without a
+# mask 4-5% faster); with it so, 16 still led at 32k (24: 1.01x the time, 8: 1.09-1.14x).
 TRANSFER_SMS = 16
 
 
@@ -449,15 +451,20 @@ def _ring(
     def forward(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
-        out, lse = by.fwd(steps[0][0], q, k, v)
+        # A block travels beside every step but the last, which keeps every multiprocessor.
+        last = dataclasses.replace(by, spared_sms=0)
+        out, lse = (by if n > 1 else last).fwd(steps[0][0], q, k, v)
         kb, vb = k, v
         for s in range(1, n):
             # The block arriving and the step before meet here, so XLA's scheduler runs that step
             # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
             out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(ahead, kb, vb)))
+            by_s = by if s < n - 1 else last
 
-            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
-                return by.fwd(pair, q, kb, vb)
+            def part(
+                pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb, by_s: _Local = by_s
+            ) -> Any:
+                return by_s.fwd(pair, q, kb, vb)
 
             out_s, lse_s = at_step(s, part, part)
             out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
