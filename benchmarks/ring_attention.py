@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--transfer-sms",
         default="",
-        help="also the ring whose forward, where nothing differentiates it, leaves this many "
-        "multiprocessors to its transfers (comma-separated; the library leaves "
+        help="also the ring whose forward leaves this many multiprocessors to the transfer "
+        "beside each step but the last (comma-separated; the library leaves "
         "_ring._transfer_sms's count), and the single-GPU forward on as many fewer",
     )
     p.add_argument(
@@ -271,9 +271,9 @@ def agreement(args: argparse.Namespace, local_device: Any) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def transfer_sms(count: int) -> Any:
-    """Rings traced in here leave ``count`` multiprocessors to their transfers where nothing
-    differentiates them, masked or not (instead of ``_ring._transfer_sms``'s choice); single-GPU
-    kernels leave as many."""
+    """Rings traced in here leave ``count`` multiprocessors to the transfer beside each forward step
+    but the last, masked or not (instead of ``_ring._transfer_sms``'s choice); single-GPU kernels
+    leave as many."""
     kept = _ring._transfer_sms
     _ring._transfer_sms = lambda spec: count
     try:

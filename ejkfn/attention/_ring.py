@@ -39,22 +39,23 @@ from ._spec import AttentionSpec
 __all__ = ["ring_attention", "ring_attention_sharded", "zigzag_order"]
 
 _INF = math.inf
-# Multiprocessors the local forward's persistent grid leaves to the ring's transfers where nothing
-# differentiates the call and nothing masks it. On two H200s (benchmarks/NOTES.md, sixty-seventh
-# round) the ring's forward without a mask took 0.93-0.96x the time with 16 left as with none at
-# 32k keys (four runs) and 0.98-0.99x at 64k; 8, the old value, 1.04-1.13x and 1.02-1.08x the time
-# of 16 (NCCL's transfer mostly started only as the step before ended); 24, 1.05x and 1.01x.
-# Causal rings, zigzag or contiguous, ran fastest with none left: XLA then ran their transfers
-# before the first step, so a spared multiprocessor only slowed the steps. With the value block's
-# transfer beside the first step (sixty-eighth round) none still led: 4.04-4.06 ms against
-# 4.55-4.62 with 16 at 32k zigzag. Training keeps every multiprocessor (thirty-first round). The
+# Multiprocessors the local forward's persistent grid leaves to the transfer beside a step where
+# nothing masks the call. On two H200s (benchmarks/NOTES.md, sixty-seventh round) the ring's forward
+# without a mask took 0.93-0.96x the time with 16 left as with none at 32k keys (four runs) and
+# 0.98-0.99x at 64k; 8, the old value, 1.04-1.13x and 1.02-1.08x the time of 16 (NCCL's transfer
+# mostly started only as the step before ended); 24, 1.05x and 1.01x. Causal rings, zigzag or
+# contiguous, ran fastest with none left: XLA then ran their transfers before the first step, so a
+# spared multiprocessor only slowed the steps. With the value block's transfer beside the first step
+# (sixty-eighth round) none still led: 4.04-4.06 ms against 4.55-4.62 with 16 at 32k zigzag. The
 # last step, beside which nothing travels, keeps them all (seventieth round: the forward without a
-# mask 4-5% faster); with it so, 16 still led at 32k (24: 1.01x the time, 8: 1.09-1.14x).
+# mask 0.95-0.97x the time); with it so, 16 still led at 32k (24: 1.01x the time, 8: 1.09-1.14x),
+# and training's forward sparing them too trained 0.98x the time at 32k, 0.997x at 64k (sparing at
+# every step, the thirty-first round had found training slower).
 TRANSFER_SMS = 16
 
 
 def _transfer_sms(spec: AttentionSpec) -> int:
-    """Multiprocessors a forward nothing differentiates leaves to the ring's transfers."""
+    """Multiprocessors a forward step leaves to the block's transfer beside it."""
     return TRANSFER_SMS if not spec.causal and spec.window is None else 0
 
 
@@ -410,11 +411,12 @@ def ring_attention(
         )
     base = AttentionSpec(scale=scale, causal=bool(causal), window=window)
     shape = AttentionShape.of(q, k, base)
-    local = _choose(platform, cfg, base, shape)
+    spared = _transfer_sms(base)
+    local = dataclasses.replace(_choose(platform, cfg, base, shape), spared_sms=spared)
     serving = local
     if cfg is not None and cfg.inference is not None:
         serving = _choose(platform, cfg.inference, base, shape, differentiated=False)
-    serving = dataclasses.replace(serving, spared_sms=_transfer_sms(base))
+        serving = dataclasses.replace(serving, spared_sms=spared)
     if layout == "zigzag":
         steps = _zigzag_steps(base, length, n)
     else:
