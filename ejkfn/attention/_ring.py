@@ -20,6 +20,7 @@ mask array is built, and a pair that sees nothing is skipped (``lax.cond`` on th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -442,13 +443,14 @@ def _ring(
     def shift(perm: list[tuple[int, int]], *xs: jax.Array) -> tuple[jax.Array, ...]:
         return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
 
-    def at_step(s: int, before: Any, wrapped: Any) -> Any:
-        """``before`` on devices holding an earlier block at step ``s``, ``wrapped`` on the rest."""
+    def at_step(s: int, run: Any) -> Any:
+        """``run(pair)`` on this device's pair at step ``s``: the one for devices holding an
+        earlier block, or the one for devices whose block wrapped round."""
         pair_b, pair_w = steps[s]
         if pair_b == pair_w:
-            return before(pair_b)
+            return run(pair_b)
         index = lax.axis_index(axis_name)
-        return lax.cond(index >= s, lambda: before(pair_b), lambda: wrapped(pair_w))
+        return lax.cond(index >= s, lambda: run(pair_b), lambda: run(pair_w))
 
     def forward(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
@@ -462,13 +464,7 @@ def _ring(
             # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
             out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(ahead, kb, vb)))
             by_s = by if s < n - 1 else last
-
-            def part(
-                pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb, by_s: _Local = by_s
-            ) -> Any:
-                return by_s.fwd(pair, q, kb, vb)
-
-            out_s, lse_s = at_step(s, part, part)
+            out_s, lse_s = at_step(s, functools.partial(by_s.fwd, q=q, k=kb, v=vb))
             out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
         return out.astype(q.dtype), lse
 
@@ -492,11 +488,9 @@ def _ring(
         for s in reversed(range(n)):
             # The last step is on the device's own block, already here.
             kb, vb = (k, v) if s == 0 else shift(back, kb, vb)
-
-            def part(pair: _Pair, kb: jax.Array = kb, vb: jax.Array = vb) -> Any:
-                return local.bwd(pair, q, kb, vb, out, lse, dout)
-
-            dq_s, dk_s, dv_s = at_step(s, part, part)
+            dq_s, dk_s, dv_s = at_step(
+                s, functools.partial(local.bwd, q=q, k=kb, v=vb, out=out, lse=lse, dout=dout)
+            )
             dq = dq + dq_s.astype(jnp.float32)
             dkv_s = jnp.stack((dk_s, dv_s))
             if dkv is None:
