@@ -481,9 +481,12 @@ def _hopper_cfg(
 #   2x8192x32(8 kv)x64 with 4096 (cuDNN's pair 0.96x). At D = 256 cuDNN's pair trains (the Mosaic
 #   forward on cuDNN's backward kernel 1.03x at 1024 keys, 0.98-0.99x at 2048; the portable
 #   backward 0.42-0.48x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json,
-#   -121445.json to -122329.json).
+#   -121445.json to -122329.json), and where cuDNN refuses the window (right of the diagonal)
+#   Triton's pair (the default order, the Mosaic forward on Pallas-Triton's backward, 0.88x at
+#   2x4096x8x256 with 256 keys a side; -230058.json). At D = 128 the default order trains such
+#   windows (Triton 0.94-0.95x at 4x4096x16x128 with 256 and 1024 a side).
 # The first feature of the list above that a call has decides; where the inference backend refuses
-# the call, the training one infers too, and where the training one refuses it (cuDNN, a window
+# the call, the training one infers too, and where every training one refuses it (cuDNN, a window
 # right of the diagonal or queries and keys of different lengths), the default order trains.
 _TRITON = ("triton", "triton")
 _PALLAS_TRITON = ("pallas", "triton")
@@ -507,33 +510,34 @@ def _window_limit(limits: tuple[tuple[int, int], ...], head_dim: int) -> int:
 
 def _feature_backends(
     shape: AttentionShape, wide_bias: bool
-) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]] | None:
     """(training, inference) backends ``auto`` takes first on Hopper for this call, whose bias (if
-    any) is ``wide_bias``: in a wider dtype than the inputs; None: the default order."""
+    any) is ``wide_bias``: in a wider dtype than the inputs; training as the backends to try in
+    order; None: the default order."""
     spec, wide = shape.spec, shape.head_dim > 64
     if spec.soft_cap is not None:
-        return _TRITON, _TRITON
+        return (_TRITON,), _TRITON
     if spec.has_segments:
         if wide:
-            return _TRITON, _TRITON
-        return (_PALLAS_TRITON if spec.causal else _TRITON), _PALLAS_TRITON
+            return (_TRITON,), _TRITON
+        return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
     if spec.has_mask:
-        return (_TRITON if wide else _PALLAS_TRITON), (
+        return (_TRITON if wide else _PALLAS_TRITON,), (
             _TRITON if wide and spec.causal else _PALLAS_TRITON
         )
     if spec.has_bias:
         training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
         narrow_causal = spec.causal and not wide and not wide_bias
-        return training, (_PALLAS_TRITON if narrow_causal else _TRITON)
+        return (training,), (_PALLAS_TRITON if narrow_causal else _TRITON)
     if spec.dropout_prob > 0.0:
-        return _TRITON, _TRITON
+        return (_TRITON,), _TRITON
     seen = spec.window_keys
     if seen is None:
         return None
     if shape.head_dim > 128:
-        return _CUDNN, _MOSAIC
+        return (_CUDNN, _TRITON), _MOSAIC
     portable = _MOSAIC_TRAINS_WIDE_WINDOW if wide else _MOSAIC_TRAINS_WINDOW
-    return (_MOSAIC if seen <= portable else _MOSAIC_ON_CUDNN), _MOSAIC
+    return (_MOSAIC if seen <= portable else _MOSAIC_ON_CUDNN,), _MOSAIC
 
 
 def _float32_pallas_first(shape: AttentionShape) -> bool:
@@ -613,28 +617,31 @@ def _feature_cfg(
     default: AttentionBackend,
 ) -> AttentionConfig | None:
     """``auto``'s heuristic config on Hopper for a call with a feature (:func:`_feature_backends`);
-    None where no preference applies or neither preferred backend can do the call. Where only the
-    training one refuses it (cuDNN, a window right of the diagonal), ``default`` trains."""
+    None where no preference applies or no preferred backend can do the call. Where every training
+    one refuses it (cuDNN, a window right of the diagonal), ``default`` trains."""
     if not _is_hopper() or shape.dtype == "float32":  # measured with 16-bit inputs
         return None
     if _backend.decoding_rows(shape) is not None:  # measured on longer queries
         return None
     bias = args[3]
     wide_bias = bias is not None and np.dtype(bias.dtype).itemsize > np.dtype(shape.dtype).itemsize
-    pairs = _feature_backends(shape, wide_bias)
-    if pairs is None:
+    preferred = _feature_backends(shape, wide_bias)
+    if preferred is None:
         return None
-    cfgs = []
-    for platform, variant, *bwd_variant in pairs:
+
+    def taking(platform: str, variant: str, *bwd_variant: str) -> AttentionConfig | None:
+        """The backend's heuristic config, if it runs here and takes the call."""
         backend = backend_for(platform, variant)
         params = backend.heuristic(shape)
         if bwd_variant:  # another backward kernel behind the backend's forward
             params = (params[0], BwdParams(variant=bwd_variant[0]))
         if not _native(backend) or _refusal(backend, shape, args, kwargs, params) is not None:
-            cfgs.append(None)
-        else:
-            cfgs.append(_config(backend, params))
-    training, inference = cfgs
+            return None
+        return _config(backend, params)
+
+    trainers, inferring = preferred
+    training = next(filter(None, (taking(*names) for names in trainers)), None)
+    inference = taking(*inferring)
     if training is None and inference is None:
         return None
     if training is None:
