@@ -481,9 +481,9 @@ def _hopper_cfg(
 #   2x8192x32(8 kv)x64 with 4096 (cuDNN's pair 0.96x). At D = 256 cuDNN's pair trains (the Mosaic
 #   forward on cuDNN's backward kernel 1.03x at 1024 keys, 0.98-0.99x at 2048; the portable
 #   backward 0.42-0.48x; results/features_NVIDIA_H200_20261130-101720.json, -101912.json,
-#   -121445.json to -122329.json), and where cuDNN refuses the window (right of the diagonal)
-#   Triton's pair (the default order, the Mosaic forward on Pallas-Triton's backward, 0.88x at
-#   2x4096x8x256 with 256 keys a side; -230058.json). At D = 128 the default order trains such
+#   -121445.json to -122329.json). Where cuDNN refuses the window (right of the diagonal) Triton's
+#   pair trains: the default order (the Mosaic forward on Pallas-Triton's backward) ran 0.88x it
+#   at 2x4096x8x256 with 256 keys a side (-230058.json). At D = 128 the default order trains such
 #   windows (Triton 0.94-0.95x at 4x4096x16x128 with 256 and 1024 a side).
 # The first feature of the list above that a call has decides; where the inference backend refuses
 # the call, the training one infers too, and where every training one refuses it (cuDNN, a window
