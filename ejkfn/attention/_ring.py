@@ -455,16 +455,19 @@ def _ring(
     def forward(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
-        # A block travels beside every step but the last, which keeps every multiprocessor.
         last = dataclasses.replace(by, spared_sms=0)
-        out, lse = (by if n > 1 else last).fwd(steps[0][0], q, k, v)
+
+        def step_by(s: int) -> _Local:
+            """A block travels beside every step but the last, which keeps every multiprocessor."""
+            return by if s < n - 1 else last
+
+        out, lse = step_by(0).fwd(steps[0][0], q, k, v)
         kb, vb = k, v
         for s in range(1, n):
             # The block arriving and the step before meet here, so XLA's scheduler runs that step
             # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
             out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(ahead, kb, vb)))
-            by_s = by if s < n - 1 else last
-            out_s, lse_s = at_step(s, functools.partial(by_s.fwd, q=q, k=kb, v=vb))
+            out_s, lse_s = at_step(s, functools.partial(step_by(s).fwd, q=q, k=kb, v=vb))
             out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
         return out.astype(q.dtype), lse
 
