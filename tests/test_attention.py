@@ -647,9 +647,10 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
 ) -> None:
     """On Hopper, where the heuristic's first choice is cuDNN, it runs the Mosaic forward: with the
     Mosaic backward for small calls and for any call at head dim 64, cuDNN's backward kernel for
-    large ones with wider heads; where that refuses, cuDNN trains and the Mosaic forward infers;
-    where Mosaic refuses, and on other GPUs, cuDNN."""
-    from ejkfn.attention import _api, _pallas_mosaic
+    large ones with wider heads; where that refuses, cuDNN trains and the Mosaic forward infers.
+    Above head dim 128, cuDNN's backward kernel causal and cuDNN's pair otherwise; where Mosaic
+    refuses, and on other GPUs, cuDNN."""
+    from ejkfn.attention import _api, _pallas_mosaic, _pallas_mosaic_bwd
 
     refusal = _api._refusal
     monkeypatch.setattr(_api, "device_kind", lambda: "gpu")
@@ -667,9 +668,11 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     monkeypatch.setattr(_api, "_refusal", on_cuda)
     kernel = FlashAttention()
 
-    def heuristic(x: Any, hopper: bool = True, **options: Any) -> AttentionConfig:
+    def heuristic(
+        x: Any, hopper: bool = True, causal: bool = True, **options: Any
+    ) -> AttentionConfig:
         monkeypatch.setattr(_api, "_is_hopper", lambda: hopper)
-        return kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=True, **options))
+        return kernel.heuristic_cfg(ejkfn.Invocation.of(kernel, x, x, x, causal=causal, **options))
 
     def mosaic(x: Any) -> tuple[FwdParams, BwdParams]:
         shape = AttentionShape.of(x, x, AttentionSpec(scale=x.shape[-1] ** -0.5, causal=True))
@@ -701,6 +704,16 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
+    # Above head dim 128 (the Mosaic backward's widest) causal calls train on cuDNN's backward
+    # kernel behind the Mosaic forward at any size; the others on cuDNN's pair, which infers too.
+    assert _api._MOSAIC_BACKWARD_HEAD_DIM == _pallas_mosaic_bwd.MAX_HEAD_DIM
+    hybrid_runs[0] = True
+    gemma = jax.ShapeDtypeStruct((1, 512, 2, 256), jnp.bfloat16)  # 2**19 scores
+    cfg = heuristic(gemma)
+    assert (cfg.platform, cfg.variant, cfg.fwd) == ("pallas", "mosaic", mosaic(gemma)[0])
+    assert (cfg.bwd, cfg.inference) == (BwdParams(variant=_pallas_mosaic.CUDNN_BWD), None)
+    full = heuristic(gemma, causal=False)
+    assert (full.platform, full.variant, full.inference) == ("cudnn", "cudnn", None)
     # A window follows the feature rule (the next test): at head dim 64 and 256 keys the Mosaic
     # forward, on its narrow-window key blocks, trains and infers
     window = heuristic(small, sliding_window=256)
