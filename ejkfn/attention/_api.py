@@ -475,6 +475,11 @@ def _hopper_cfg(
 #   0.81-0.84x; without a mask 0.99-1.00x). A float32 bias beside 16-bit inputs infers on Triton
 #   at D = 64 causal too (Pallas-Triton 0.89-0.92x at 8x2048x32x64 in two runs, fifty-second
 #   round); cuDNN refuses it (it would round it to 16 bits);
+# - above D = 128 with a mask or a bias (2x4096x8x256, causal and not): cuDNN's pair trains (Triton
+#   0.74-0.80x on its 128 x 64 forward, Pallas-Triton 0.53-0.66x) and Triton infers (cuDNN
+#   0.55-0.69x, Pallas-Triton 0.71-0.91x; results/features_NVIDIA_H200_20261201-004435.json,
+#   -004659.json, -005056.json, -005442.json, -005635.json); the other features there stay as above
+#   (segment ids, dropout and a soft cap train on Triton 1.00x, Pallas-Triton 0.82-0.90x);
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window (sixty-third to sixty-fifth rounds; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128,
@@ -532,14 +537,17 @@ def _feature_backends(
         if wide:
             return (_TRITON,), _TRITON
         return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
+    # Above head dim 128 cuDNN trains with a mask or a bias first (where it takes the call)
+    widest = shape.head_dim > 128
+    cudnn_first = (_CUDNN,) if widest else ()
     if spec.has_mask:
-        return (_TRITON if wide else _PALLAS_TRITON,), (
-            _TRITON if wide and spec.causal else _PALLAS_TRITON
+        return (*cudnn_first, _TRITON if wide else _PALLAS_TRITON), (
+            _TRITON if wide and (spec.causal or widest) else _PALLAS_TRITON
         )
     if spec.has_bias:
         training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
         narrow_causal = spec.causal and not wide and not wide_bias
-        return (training,), (_PALLAS_TRITON if narrow_causal else _TRITON)
+        return (*cudnn_first, training), (_PALLAS_TRITON if narrow_causal else _TRITON)
     if spec.dropout_prob > 0.0:
         return (_TRITON,), _TRITON
     seen = spec.window_keys
