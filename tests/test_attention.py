@@ -893,6 +893,14 @@ def test_auto_orders_float32_inputs_on_gpus(
     # above head dim 128, 16 rows (32 spill there)
     wide = dataclasses.replace(f32, head_dim=256)
     assert [(p.q_blocksize, p.kv_blocksize) for p in _triton.heuristic(wide)] == [(16, 32)] * 2
+    # in 16 bits there, 128-row forward blocks; plain calls train on mirrored wgmma blocks, the
+    # others (whose dK/dV spills on those) on 32 x 32
+    wide = dataclasses.replace(shape, head_dim=256)
+    capped = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, soft_cap=50.0))
+    (fwd, plain), (_, other) = _triton.heuristic(wide), _triton.heuristic(capped)
+    assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps) == (128, 64, 8)
+    assert (plain.q_blocksize, plain.kv_blocksize, plain.variant) == (32, 64, _triton.MIRRORED)
+    assert (other.q_blocksize, other.kv_blocksize, other.variant) == (32, 32, None)
 
 
 @pytest.fixture

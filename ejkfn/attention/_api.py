@@ -530,7 +530,7 @@ def _feature_backends(
     """(training, inference) backends ``auto`` takes first on Hopper for this call, whose bias (if
     any) is ``wide_bias``: in a wider dtype than the inputs; training as the backends to try in
     order; None: the default order."""
-    spec, wide = shape.spec, shape.head_dim > 64
+    spec, wide, widest = shape.spec, shape.head_dim > 64, shape.head_dim > 128
     if spec.soft_cap is not None:
         return (_TRITON,), _TRITON
     if spec.has_segments:
@@ -538,7 +538,6 @@ def _feature_backends(
             return (_TRITON,), _TRITON
         return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
     # Above head dim 128 cuDNN trains with a mask or a bias first (where it takes the call)
-    widest = shape.head_dim > 128
     cudnn_first = (_CUDNN,) if widest else ()
     if spec.has_mask:
         return (*cudnn_first, _TRITON if wide else _PALLAS_TRITON), (
@@ -553,7 +552,7 @@ def _feature_backends(
     seen = spec.window_keys
     if seen is None:
         return None
-    if shape.head_dim > 128:
+    if widest:
         return (_CUDNN, _TRITON), _MOSAIC
     portable = _MOSAIC_TRAINS_WIDE_WINDOW if wide else _MOSAIC_TRAINS_WINDOW
     return (_MOSAIC if seen <= portable else _MOSAIC_ON_CUDNN,), _MOSAIC
