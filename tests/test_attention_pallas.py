@@ -24,6 +24,7 @@ from ejkfn.attention._backend import (
     MIRRORED_HALF,
     MIRRORED_WIDE,
     PORTABLE_VARIANTS,
+    TALL_DQ,
     AttentionShape,
     backend_for,
 )
@@ -197,12 +198,14 @@ def test_triton_matches_reference(name):
     "name", ["causal_gqa_ragged", "causal_q_shorter", "segments_mask", "bias_full_gqa", "dropout"]
 )
 @pytest.mark.parametrize(
-    "variant, kv_block", [(MIRRORED, 32), (MIRRORED_HALF, 64), (MIRRORED_WIDE, 32)]
+    "variant, kv_block",
+    [(MIRRORED, 32), (MIRRORED_HALF, 64), (MIRRORED_WIDE, 32), (TALL_DQ, 32)],
 )
 def test_triton_mirrored_backward_matches_reference(name, variant, kv_block):
     """dQ with the dK/dV kernel's blocks turned around (32 rows kept, 16 streamed; with
-    mirrored_half half of the dK/dV kernel's 64; with mirrored_wide 32 streamed): ragged lengths
-    pad to other multiples in the two kernels, and dbias comes from the dQ kernel's blocks."""
+    mirrored_half half of the dK/dV kernel's 64; with mirrored_wide 32 streamed; tall_dq keeps
+    32 rows of the dK/dV kernel's 16 and streams its 32): ragged lengths pad to other multiples in
+    the two kernels, and dbias comes from the dQ kernel's blocks."""
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
     _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, bp)
 

@@ -82,8 +82,14 @@ MIRRORED_HALF = "mirrored_half"
 # num_warps. At the power cap a dQ kernel that keeps more rows reads each key block fewer times
 # and runs at a higher clock (Triton at head dim 64 causal, NOTES.md, forty-fourth round).
 MIRRORED_WIDE = "mirrored_wide"
+# BwdParams.variant of the portable backwards whose dQ kernel keeps twice q_blocksize rows on twice
+# num_warps and streams kv_blocksize keys, while the dK/dV kernel runs the blocks as given: at head
+# dim 256 the dK/dV kernel's float32 dK and dV leave wgmma blocks no registers (32 x 32 on 4 warps
+# runs mma.sync without a spill) where the dQ kernel's 64 rows on 8 warps compile to wgmma
+# (NOTES.md, seventy-first round).
+TALL_DQ = "tall_dq"
 # The portable backwards' variants besides None (their dQ kernel's launch: dq_launch).
-PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE)
+PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE, TALL_DQ)
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
 # Forwards the portable tuners add for float32 inputs, whose products are FMAs with their operands
@@ -118,6 +124,8 @@ def dq_launch(params: BwdParams) -> DqLaunch:
         return DqLaunch(rows, params.q_blocksize, params.num_warps, stages)
     if params.variant == MIRRORED_WIDE:
         return DqLaunch(params.kv_blocksize, 2 * params.q_blocksize, 2 * params.num_warps, stages)
+    if params.variant == TALL_DQ:
+        return DqLaunch(2 * params.q_blocksize, params.kv_blocksize, 2 * params.num_warps, stages)
     raise ValueError(
         f"variant={params.variant!r}: the portable backwards take None or one of "
         f"{PORTABLE_VARIANTS}"

@@ -9,7 +9,8 @@ blocks, so the group sum stays in registers, and writes ``dbias = ds`` tiles whe
 With ``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kernel's turned around
 (:func:`._backend.dq_launch`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``; with
 ``"mirrored_half"`` the dQ kernel keeps half as many rows, with ``"mirrored_wide"`` it streams twice
-as many keys on twice the warps.
+as many keys on twice the warps; with ``"tall_dq"`` the dQ kernel keeps twice ``q_blocksize`` rows
+on twice the warps and streams ``kv_blocksize`` keys.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
 head dims that are not powers of two are handled by masked loads and stores. Every feature of
@@ -37,8 +38,9 @@ from .._triton_interpret import default_interpret, launch, load_kernels
 from ._backend import (
     FLOAT32_FWD_CANDIDATES,
     MIRRORED,
+    MIRRORED_HALF,
     MIRRORED_WIDE,
-    PORTABLE_VARIANTS,
+    TALL_DQ,
     AttentionBackend,
     AttentionShape,
     decoding_rows,
@@ -746,11 +748,16 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     ]
     bwds += [
         BwdParams(q_blocksize=bq, kv_blocksize=bk, num_warps=w, num_stages=s, variant=variant)
-        for variant in PORTABLE_VARIANTS
+        for variant in (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE)
         for bq, bk in ((32, 64), (32, 128), (64, 128))
         for w in (4, 8)
         for s in (3, 4)
     ]
+    if shape.head_dim > 128:  # dK/dV on mma.sync blocks that do not spill, dQ on wgmma ones
+        bwds += [
+            BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=s, variant=TALL_DQ)
+            for s in (2, 3)
+        ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":
         # the 16-bit blocks above spill in float32 (the 16-bit heuristic's dK/dV kernel 91140
