@@ -687,7 +687,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
         )
     else:
-        # 128 x 64 on 8 warps ran the forward 1.39-2.08x 64 x 64 (its blocks before) at
+        # 128 x 64 on 8 warps ran the forward 1.27-2.25x 64 x 64 (its blocks before) at
         # 2x4096x8x256, causal and not, plain and with a soft cap, a bias, dropout or segment ids;
         # 64 x 64 on 4 warps and 3 stages 0.95-1.05x it plain, with a soft cap or segment ids, but
         # 0.58-0.70x with a bias or causal dropout (results/features_NVIDIA_H200_20261201-004924.json,
