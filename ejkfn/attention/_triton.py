@@ -698,7 +698,7 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
             # Both kernels keeping 64 rows and streaming 32 on 8 warps and 3 stages run wgmma
             # (the 32 x 32 blocks on 4 warps mma.sync) and ran forward+backward 1.03-1.09x the
             # 32 x 32 blocks at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not; with a soft
-            # cap or a window, where their dK/dV kernel spills, 0.93-0.97x
+            # cap or a window, where their dK/dV kernel spills, 0.89-0.97x
             # (results/features_NVIDIA_H200_20261201-002930.json, -003415.json).
             bp = BwdParams(
                 q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=3, variant=MIRRORED
