@@ -169,12 +169,14 @@ class _Local:
     fwd_params: FwdParams
     bwd_params: BwdParams
     interpret: bool
-    spared_sms: int = 0  # left free by the forward's persistent grid (mosaic_grid.sparing_sms)
 
-    def fwd(self, pair: _Pair, q: jax.Array, k: jax.Array, v: jax.Array) -> Any:
+    def fwd(
+        self, pair: _Pair, q: jax.Array, k: jax.Array, v: jax.Array, spared_sms: int = 0
+    ) -> Any:
         """``(out, lse)`` of ``q`` against the pair's keys, padded back to all rows: ``out`` in
         ``q``'s dtype, as the backend gives it (a float32 copy out of a ``lax.cond`` cost a pass
-        over it), ``lse`` in float32."""
+        over it), ``lse`` in float32. ``spared_sms``: multiprocessors its persistent grid leaves
+        free (``mosaic_grid.sparing_sms``) for the block travelling beside this step."""
         batch, length, heads, dim = q.shape
         if pair.spec is None:
             return (
@@ -182,7 +184,7 @@ class _Local:
                 jnp.full((batch, heads, length), -jnp.inf, jnp.float32),
             )
         qs, ks = pair.q_start, pair.k_start
-        with sparing_sms(self.spared_sms):  # the next block's transfer runs beside this step
+        with sparing_sms(spared_sms):
             out, lse = self.backend.fwd(
                 q[:, qs : qs + pair.q_len], k[:, ks : ks + pair.k_len], v[:, ks : ks + pair.k_len],
                 None, None, None, None, None,
@@ -412,17 +414,17 @@ def ring_attention(
         )
     base = AttentionSpec(scale=scale, causal=bool(causal), window=window)
     shape = AttentionShape.of(q, k, base)
-    spared = _transfer_sms(base)
-    local = dataclasses.replace(_choose(platform, cfg, base, shape), spared_sms=spared)
-    serving = local
+    local = serving = _choose(platform, cfg, base, shape)
     if cfg is not None and cfg.inference is not None:
         serving = _choose(platform, cfg.inference, base, shape, differentiated=False)
-        serving = dataclasses.replace(serving, spared_sms=spared)
     if layout == "zigzag":
         steps = _zigzag_steps(base, length, n)
     else:
         steps = _contiguous_steps(base, length, n)
-    return _ring(q, k, v, axis_name=axis_name, n=n, steps=steps, local=local, serving=serving)
+    return _ring(
+        q, k, v, axis_name=axis_name, n=n, steps=steps, local=local, serving=serving,
+        spared_sms=_transfer_sms(base),
+    )  # fmt: skip
 
 
 def _ring(
@@ -435,8 +437,10 @@ def _ring(
     steps: tuple[tuple[_Pair, _Pair], ...],
     local: _Local,
     serving: _Local,
+    spared_sms: int,
 ) -> jax.Array:
-    """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest."""
+    """The ring's custom VJP: ``local`` computes differentiated calls, ``serving`` the rest; each
+    forward step a block travels beside leaves ``spared_sms`` multiprocessors to its transfer."""
     ahead = [(i, (i + 1) % n) for i in range(n)]  # the forward's direction
     back = [(i, (i - 1) % n) for i in range(n)]  # the backward's
 
@@ -455,19 +459,18 @@ def _ring(
     def forward(
         q: jax.Array, k: jax.Array, v: jax.Array, by: _Local
     ) -> tuple[jax.Array, jax.Array]:
-        last = dataclasses.replace(by, spared_sms=0)
-
-        def step_by(s: int) -> _Local:
+        def spared_at(s: int) -> int:
             """A block travels beside every step but the last, which keeps every multiprocessor."""
-            return by if s < n - 1 else last
+            return spared_sms if s < n - 1 else 0
 
-        out, lse = step_by(0).fwd(steps[0][0], q, k, v)
+        out, lse = by.fwd(steps[0][0], q, k, v, spared_sms=spared_at(0))
         kb, vb = k, v
         for s in range(1, n):
             # The block arriving and the step before meet here, so XLA's scheduler runs that step
             # while the block travels (it had run the transfers first; NOTES, sixty-eighth round).
             out, lse, kb, vb = lax.optimization_barrier((out, lse, *shift(ahead, kb, vb)))
-            out_s, lse_s = at_step(s, functools.partial(step_by(s).fwd, q=q, k=kb, v=vb))
+            step = functools.partial(by.fwd, q=q, k=kb, v=vb, spared_sms=spared_at(s))
+            out_s, lse_s = at_step(s, step)
             out, lse = merge_partials(jnp.stack((out, out_s)), jnp.stack((lse, lse_s)))
         return out.astype(q.dtype), lse
 
