@@ -25,6 +25,7 @@ from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_a
 from ejkfn.attention import _cudnn, _triton, registered_backends
 from ejkfn.attention._backend import (
     BAND_BYTES,
+    PORTABLE_VARIANTS,
     AttentionBackend,
     AttentionShape,
     band_pairs,
@@ -704,11 +705,15 @@ def test_auto_on_hopper_runs_the_mosaic_forward(
     assert fallback.inference == AttentionConfig(
         platform="pallas", variant="mosaic", fwd=fp_large, bwd=bp_large
     )
-    # Above head dim 128 (the Mosaic backward's widest) causal calls train on cuDNN's backward
-    # kernel behind the Mosaic forward at any size; the others on cuDNN's pair, which infers too.
-    assert _api._MOSAIC_BACKWARD_HEAD_DIM == _pallas_mosaic_bwd.MAX_HEAD_DIM
+    # Above head dim 128, where the Mosaic heuristic names the portable backward (the Mosaic one's
+    # widest is 128), causal calls train on cuDNN's backward kernel behind the Mosaic forward at
+    # any size; the others on cuDNN's pair, which infers too.
     hybrid_runs[0] = True
     gemma = jax.ShapeDtypeStruct((1, 512, 2, 256), jnp.bfloat16)  # 2**19 scores
+    assert _pallas_mosaic_bwd.MAX_HEAD_DIM < 256 and mosaic(gemma)[1].variant in (
+        None,
+        *PORTABLE_VARIANTS,
+    )
     cfg = heuristic(gemma)
     assert (cfg.platform, cfg.variant, cfg.fwd) == ("pallas", "mosaic", mosaic(gemma)[0])
     assert (cfg.bwd, cfg.inference) == (BwdParams(variant=_pallas_mosaic.CUDNN_BWD), None)

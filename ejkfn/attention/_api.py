@@ -410,13 +410,6 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 # shipped configs decide per shape; this is the heuristic for shapes they do not cover.
 _MOSAIC = ("pallas", "mosaic")
 _OWN_BACKWARD_HEAD_DIM = 64
-# Above head dim 128 the Mosaic backward cannot take the call (its float32 dK and dV live in
-# registers; _pallas_mosaic_bwd.MAX_HEAD_DIM) and the portable backward behind the Mosaic forward
-# ran forward+backward 0.37-0.39x cuDNN's pair at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and
-# not (results/features_NVIDIA_H200_20261201-003415.json). Causal, cuDNN's backward kernel trains
-# behind the Mosaic forward there (1.02x and 1.00x cuDNN's pair; the forward 1.13x and 1.04x
-# cuDNN's); without a mask cuDNN trains and infers (the Mosaic forward 0.88x its).
-_MOSAIC_BACKWARD_HEAD_DIM = 128
 
 
 def _own_backward_scores(gpu: str) -> int:
@@ -440,7 +433,14 @@ def _hopper_cfg(
     fwd, own = mosaic.heuristic(shape)
     scores = shape.batch * shape.kv_heads * shape.seq_q * shape.seq_k
     gpu = str(jax.devices()[0].device_kind)
-    if shape.head_dim > _MOSAIC_BACKWARD_HEAD_DIM:
+    if own.variant is None or own.variant in _backend.PORTABLE_VARIANTS:
+        # The Mosaic backward cannot take the call (above head dim 128: its float32 dK and dV
+        # live in registers), and the portable backward behind the Mosaic forward ran
+        # forward+backward 0.37-0.39x cuDNN's pair at 2x4096x8x256 and 1x8192x16(8 kv)x256,
+        # causal and not (results/features_NVIDIA_H200_20261201-003415.json). Causal, cuDNN's
+        # backward kernel trains behind the Mosaic forward there (1.02x and 1.00x cuDNN's pair; the
+        # forward 1.13x and 1.04x cuDNN's); without a mask cuDNN trains and infers (the Mosaic
+        # forward 0.88x its).
         if not shape.spec.causal:
             return None
         bwd = BwdParams(variant=_backend.CUDNN_BWD)
