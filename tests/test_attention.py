@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import ejkfn
 from ejkfn import AttentionConfig, BwdParams, FlashAttention, FwdParams, flash_attention
-from ejkfn.attention import _cudnn, _triton, registered_backends
+from ejkfn.attention import _cudnn, _pallas_gpu, _triton, registered_backends
 from ejkfn.attention._backend import (
     BAND_BYTES,
     PORTABLE_VARIANTS,
@@ -906,6 +906,16 @@ def test_auto_orders_float32_inputs_on_gpus(
     assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps) == (128, 64, 8)
     assert (plain.q_blocksize, plain.kv_blocksize, plain.variant) == (32, 64, _triton.MIRRORED)
     assert (other.q_blocksize, other.kv_blocksize, other.variant) == (32, 32, None)
+    # dropout keeps those dK/dV blocks and gives dQ twice their rows (wgmma), on 3 stages
+    dropped = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, dropout_prob=0.1))
+    tall = _triton.heuristic(dropped)[1]
+    assert (tall.q_blocksize, tall.kv_blocksize, tall.num_stages) == (32, 32, 3)
+    assert _triton.dq_launch(tall).rows == 64
+    # Pallas-Triton's forward takes the same 128-row blocks there, and they fit with a bias
+    biased = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, has_bias=True))
+    for s in (wide, biased):
+        fwd = _pallas_gpu.heuristic(s)[0]
+        assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps) == (128, 64, 8)
 
 
 @pytest.fixture

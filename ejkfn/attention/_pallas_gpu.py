@@ -1000,7 +1000,11 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
                 q_blocksize=64, kv_blocksize=128, num_warps=8, num_stages=3, variant=MIRRORED
             )
     else:
-        fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
+        # 128 x 64 on 8 warps ran the forward 1.07-1.33x 64 x 32 on 4 (its blocks before) at
+        # 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not, plain and with a soft cap, a
+        # window, a bias, dropout or segment ids (results/features_NVIDIA_H200_20261201-023441.json,
+        # -023919.json); with 3 stages they do not fit shared memory
+        fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
     if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill. The backward

@@ -694,7 +694,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # -005056.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
-        if shape.spec.features <= {"causal"}:
+        if "dropout" in shape.spec.features:
+            # dQ on 64 rows and 8 warps (wgmma) beside the same dK/dV kernel on 3 stages ran
+            # forward+backward 1.01-1.07x these at 2x4096x8x256, 1x8192x16(8 kv)x256 and
+            # 4x2048x16x256, causal and not; with a soft cap or segment ids 0.96-0.99x, and on 2
+            # stages 0.89-0.93x (results/features_NVIDIA_H200_20261201-023207.json, -023750.json)
+            bp = BwdParams(
+                q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=3, variant=TALL_DQ
+            )
+        elif shape.spec.features <= {"causal"}:
             # Both kernels keeping 64 rows and streaming 32 on 8 warps and 3 stages run wgmma
             # (the 32 x 32 blocks on 4 warps mma.sync) and ran forward+backward 1.03-1.09x the
             # 32 x 32 blocks at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not; with a soft
@@ -755,9 +763,9 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for s in (3, 4)
     ]
     if shape.head_dim > 128:  # dK/dV on mma.sync blocks that do not spill, dQ on wgmma ones
+        # (on 2 stages they ran 0.89-0.93x 3, results/features_NVIDIA_H200_20261201-023207.json)
         bwds += [
-            BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=s, variant=TALL_DQ)
-            for s in (2, 3)
+            BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=3, variant=TALL_DQ)
         ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":
