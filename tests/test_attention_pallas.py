@@ -24,6 +24,7 @@ from ejkfn.attention._backend import (
     MIRRORED_HALF,
     MIRRORED_WIDE,
     PORTABLE_VARIANTS,
+    SPLIT_DKDV,
     TALL_DQ,
     AttentionShape,
     backend_for,
@@ -208,6 +209,23 @@ def test_triton_mirrored_backward_matches_reference(name, variant, kv_block):
     the two kernels, and dbias comes from the dQ kernel's blocks."""
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
     _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, bp)
+
+
+def test_triton_refuses_the_split_dkdv_variant():
+    """split_dkdv is the Triton backward's; Pallas-Triton names it and its own variants, and its
+    tuner never fits it."""
+    case = TRITON_CASES["causal_q_shorter"]
+    x = _inputs(case, 1)
+    out, lse = _pallas_gpu.fwd(x["q"], x["k"], x["v"], spec=case.spec, params=SMALL_FWD)
+    bp = BwdParams(q_blocksize=16, kv_blocksize=32, variant=SPLIT_DKDV)
+    with pytest.raises(ValueError, match=r"variant='split_dkdv'.*mirrored_wide"):
+        _pallas_gpu.bwd(
+            x["q"], x["k"], x["v"], None, None, None, None, None, out, lse, x["dout"],
+            spec=case.spec, params=bp,
+        )  # fmt: skip
+    shape = AttentionShape.of(x["q"], x["k"], case.spec)
+    assert not _pallas_gpu._fits_pass(shape, bp, backward=True)
+    assert _pallas_gpu._fits_pass(shape, dataclasses.replace(bp, variant=MIRRORED), backward=True)
 
 
 def test_triton_default_params_and_custom_vjp():

@@ -28,6 +28,7 @@ from ejkfn.attention._backend import (
     MIRRORED,
     MIRRORED_HALF,
     MIRRORED_WIDE,
+    SPLIT_DKDV,
     TALL_DQ,
     AttentionShape,
     backend_for,
@@ -261,13 +262,15 @@ def test_head_dims(dim):
         (MIRRORED_HALF, 64, (32, 16, 4)),
         (MIRRORED_WIDE, 32, (32, 32, 8)),
         (TALL_DQ, 32, (32, 32, 8)),
+        (SPLIT_DKDV, 32, (32, 16, 4)),
     ],
 )
 def test_mirrored_backward(feature, variant, kv_block, dq):
     """dQ keeping kv_blocksize rows (mirrored; half as many: mirrored_half) and streaming
     q_blocksize keys (twice as many on twice the warps: mirrored_wide), or keeping twice
-    q_blocksize rows on twice the warps (tall_dq): the same gradients, including where the two
-    kernels' diagonal blocks fall differently."""
+    q_blocksize rows on twice the warps (tall_dq); dV and dK in programs of their own
+    (split_dkdv, dQ mirrored): the same gradients, including where the two kernels' diagonal
+    blocks fall differently."""
     kw = dict(FEATURES[feature])
     args, dout, spec = _case(f"mirrored-{feature}", **kw)
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)

@@ -21,6 +21,7 @@ __all__ = [
     "MIRRORED_HALF",
     "MIRRORED_WIDE",
     "PORTABLE_VARIANTS",
+    "SPLIT_DKDV",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
@@ -88,8 +89,13 @@ MIRRORED_WIDE = "mirrored_wide"
 # runs mma.sync without a spill) where the dQ kernel's 64 rows on 8 warps compile to wgmma
 # (NOTES.md, seventy-first round).
 TALL_DQ = "tall_dq"
+# BwdParams.variant of the Triton backward whose dK/dV kernel runs dV and dK in two programs a key
+# block, each recomputing the scores (4 products become 5), and whose dQ kernel mirrors it: at head
+# dim 256 one float32 accumulator of 64 x 256 leaves 8 warps room for wgmma blocks where two spill
+# (NOTES.md, seventy-second round). Pallas-Triton refuses it.
+SPLIT_DKDV = "split_dkdv"
 # The portable backwards' variants besides None (their dQ kernel's launch: dq_launch).
-PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE, TALL_DQ)
+PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE, TALL_DQ, SPLIT_DKDV)
 # BwdParams.variant of the Mosaic backend: cuDNN's backward kernel on the Mosaic forward's residuals.
 CUDNN_BWD = "cudnn"
 # Forwards the portable tuners add for float32 inputs, whose products are FMAs with their operands
@@ -117,7 +123,7 @@ def dq_launch(params: BwdParams) -> DqLaunch:
     stages = params.dq_num_stages or params.num_stages
     if params.variant is None:
         return DqLaunch(params.q_blocksize, params.kv_blocksize, params.num_warps, stages)
-    if params.variant == MIRRORED:
+    if params.variant in (MIRRORED, SPLIT_DKDV):
         return DqLaunch(params.kv_blocksize, params.q_blocksize, params.num_warps, stages)
     if params.variant == MIRRORED_HALF:
         rows = max(params.kv_blocksize // 2, 16)

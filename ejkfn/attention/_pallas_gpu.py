@@ -35,6 +35,8 @@ from ._backend import (
     FLOAT32_FWD_CANDIDATES,
     MIRRORED,
     MIRRORED_WIDE,
+    PORTABLE_VARIANTS,
+    SPLIT_DKDV,
     AttentionBackend,
     AttentionShape,
     banded_tile,
@@ -48,6 +50,8 @@ from ._dropout import keep_mask, keep_scale, keep_tile
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
+
+_VARIANTS = tuple(v for v in PORTABLE_VARIANTS if v != SPLIT_DKDV)  # this backward's variants
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -774,6 +778,11 @@ def bwd(
     ``params.variant="mirrored"`` gives the dQ kernel the dK/dV kernel's blocks turned around
     (:func:`._backend.dq_launch`, which also says what the other variants ask)."""
     params = params or BwdParams()
+    if params.variant == SPLIT_DKDV:
+        raise ValueError(
+            f"variant={params.variant!r} is the Triton backward's (dV and dK in programs of their "
+            f"own); Pallas-Triton takes None or one of {_VARIANTS}"
+        )
     _check(spec, bias, mask, q_seg, seed)
     interpret = _resolve_interpret(interpret)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize, interpret)
@@ -930,6 +939,8 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
     if not backward:
         smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item, pair)
         return smem <= _SMEM_LIMIT
+    if p.variant not in (None, *_VARIANTS):
+        return False
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item, pair, resident=2)
     rows, cols, _, dq_stages = dq_launch(p)

@@ -40,6 +40,7 @@ from ._backend import (
     MIRRORED,
     MIRRORED_HALF,
     MIRRORED_WIDE,
+    SPLIT_DKDV,
     TALL_DQ,
     AttentionBackend,
     AttentionShape,
@@ -454,13 +455,14 @@ def bwd(
         dq = dq.sum(axis=0).astype(q.dtype)
     has_bias = bias is not None
     dbias_shape = (call.batch, call.heads, call.seq_q, call.seq_k) if has_bias else (1,)
+    parts = 2 if params.variant == SPLIT_DKDV else 1  # dV and dK in programs of their own
     dk, dv, dbias_full = launch(
         kern.bwd_dkdv_kernel,
         *call.inputs,
         dout,
         lse2,
         delta,
-        grid=(_cdiv(call.seq_k, block_k), call.batch * call.kv_heads),
+        grid=(_cdiv(call.seq_k, block_k) * parts, call.batch * call.kv_heads),
         out_shapes=(
             jax.ShapeDtypeStruct(k.shape, k.dtype),
             jax.ShapeDtypeStruct(v.shape, v.dtype),
@@ -472,6 +474,7 @@ def bwd(
         zeroed=(2,) if has_bias else (),
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
+        PARTS=parts,
         **common,
     )
     dbias = None
@@ -511,8 +514,10 @@ def _fits(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) -> bo
         _smem_bytes(item, d, 2, bk, bq, stages) + _DKDV_SCRATCH,
         _smem_bytes(item, d, 2, rows, cols, dq_stages),
     )
+    accumulators = 1 if p.variant == SPLIT_DKDV else 2
     values = max(
-        (max(2 * bk * d, bq * d) + bq * bk) / threads, (rows * d + rows * cols) / (32 * dq_warps)
+        (max(accumulators * bk * d, bq * d) + bq * bk) / threads,
+        (rows * d + rows * cols) / (32 * dq_warps),
     )
     return smem <= _SMEM_BYTES and values <= _BWD_VALUES_PER_THREAD
 
@@ -693,24 +698,15 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # 0.58-0.70x with a bias or causal dropout (results/features_NVIDIA_H200_20261201-004924.json,
         # -005056.json)
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
-        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=2)
-        if "dropout" in shape.spec.features:
-            # dQ on 64 rows and 8 warps (wgmma) beside the same dK/dV kernel on 3 stages ran
-            # forward+backward 1.01-1.07x these at 2x4096x8x256, 1x8192x16(8 kv)x256 and
-            # 4x2048x16x256, causal and not; with a soft cap or segment ids 0.96-0.99x, and on 2
-            # stages 0.89-0.93x (results/features_NVIDIA_H200_20261201-023207.json, -023750.json)
-            bp = BwdParams(
-                q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=3, variant=TALL_DQ
-            )
-        elif shape.spec.features <= {"causal"}:
-            # Both kernels keeping 64 rows and streaming 32 on 8 warps and 3 stages run wgmma
-            # (the 32 x 32 blocks on 4 warps mma.sync) and ran forward+backward 1.03-1.09x the
-            # 32 x 32 blocks at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not; with a soft
-            # cap or a window, where their dK/dV kernel spills, 0.89-0.97x
-            # (results/features_NVIDIA_H200_20261201-002930.json, -003415.json).
-            bp = BwdParams(
-                q_blocksize=32, kv_blocksize=64, num_warps=8, num_stages=3, variant=MIRRORED
-            )
+        # dV and dK in programs of their own, each keeping 128 keys on 8 warps and streaming 32
+        # queries: one float32 accumulator a program, wgmma without a spill with every feature
+        # (triton_sass.py), where keeping both spilled on any wgmma block. Forward+backward
+        # 1.21-1.51x the blocks before (32 x 32 on 4 warps, mma.sync; mirrored 32 x 64 on 8
+        # plain) at 2x4096x8x256, causal and not, plain, with a soft cap, segment ids or dropout
+        # (results/features_NVIDIA_H200_20261201-025147.json); keeping 64 keys 0.41-0.69x.
+        bp = BwdParams(
+            q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
+        )
     if shape.dtype == "float32":
         fp, bp = _float32_blocks(shape)
     decoding = _decoding_params(shape)
@@ -762,10 +758,18 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for w in (4, 8)
         for s in (3, 4)
     ]
-    if shape.head_dim > 128:  # dK/dV on mma.sync blocks that do not spill, dQ on wgmma ones
-        # (on 2 stages they ran 0.89-0.93x 3, results/features_NVIDIA_H200_20261201-023207.json)
+    if shape.head_dim > 128:
+        # dK/dV on mma.sync blocks that do not spill, dQ on wgmma ones (on 2 stages they ran
+        # 0.89-0.93x 3, results/features_NVIDIA_H200_20261201-023207.json); dV and dK apart,
+        # streaming 16 queries on more stages
         bwds += [
             BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=3, variant=TALL_DQ)
+        ]
+        bwds += [
+            BwdParams(
+                q_blocksize=16, kv_blocksize=128, num_warps=8, num_stages=s, variant=SPLIT_DKDV
+            )
+            for s in (3, 4)
         ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":

@@ -623,6 +623,8 @@ def _dkdv_inner(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GAP: tl.constexpr,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
 ):
     # Works on transposed tiles ([keys, queries]) so that dv += p^T dout and dk += ds^T q need no
     # transposes of the large operands. With ``GAP`` the q blocks from ``gap_at`` on lie ``gap``
@@ -643,22 +645,165 @@ def _dkdv_inner(
         )  # fmt: skip
         p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if WANT_DK:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROP_SCALE != 1.0:  # dropout on
             keep = _keep(drop_key, b, h, rows[None, :], cols[:, None], HEADS, SEQ_Q, DROP_THRESH)
-            dv += tl.dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
-        else:
+            if WANT_DV:
+                kept = tl.where(keep, p_t, 0.0).to(do.dtype)
+                dv += tl.dot(kept, do, input_precision=DOT_PRECISION)
+            if WANT_DK:
+                dp_t = tl.where(keep, dp_t * DROP_SCALE, 0.0)
+        elif WANT_DV:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
-        ds_t = p_t * (dp_t - delta[None, :])
-        if HAS_BIAS:
-            inb = (rows[None, :] < SEQ_Q) & (cols[:, None] < SEQ_K)
-            tl.store(dbias_base + rows[None, :] * SEQ_K + cols[:, None], ds_t, mask=inb)
-        if SOFT_CAP > 0:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+        if WANT_DK:
+            delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
+            ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_BIAS:
+                inb = (rows[None, :] < SEQ_Q) & (cols[:, None] < SEQ_K)
+                tl.store(dbias_base + rows[None, :] * SEQ_K + cols[:, None], ds_t, mask=inb)
+            if SOFT_CAP > 0:
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     return dk, dv
+
+
+@triton.jit
+@no_type_check
+def _dkdv_block(
+    Q,
+    K,
+    V,
+    Bias,
+    Mask,
+    QSeg,
+    KVSeg,
+    Seed,
+    DOut,
+    Lse2,
+    Delta,
+    DK,
+    DV,
+    DBias,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SQB: tl.constexpr,
+    SQS: tl.constexpr,
+    SQH: tl.constexpr,
+    SKB: tl.constexpr,
+    SKS: tl.constexpr,
+    SKH: tl.constexpr,
+    SVB: tl.constexpr,
+    SVS: tl.constexpr,
+    SVH: tl.constexpr,
+    SDOB: tl.constexpr,
+    SDOS: tl.constexpr,
+    SDOH: tl.constexpr,
+    SBB: tl.constexpr,
+    SBH: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    SMB: tl.constexpr,
+    SMH: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    DROP_THRESH: tl.constexpr,
+    DROP_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    pid_n,
+    bkvh,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
+):
+    """dK and/or dV of key block ``pid_n`` of kv head ``bkvh``, summed over the query heads of
+    its group."""
+    kv_heads = HEADS // GROUP
+    b = bkvh // kv_heads
+    kvh = bkvh % kv_heads
+    b64 = b.to(tl.int64)
+    n0 = pid_n * BLOCK_K
+    cols = n0 + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(
+        K + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0
+    )
+    v = k  # the dV program's products do not read v
+    if WANT_DK:
+        v = tl.load(
+            V + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+    drop_key = _seed_key(Seed)
+    qseg_base = QSeg + b64 * (3 * SEQ_Q)
+    kvseg_base = KVSeg + b64 * (3 * SEQ_K)
+    # the accumulator a program does not want stays a constant that the compiler drops
+    dk = tl.zeros([BLOCK_K, BLOCK_D] if WANT_DK else [1, 1], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_K, BLOCK_D] if WANT_DV else [1, 1], dtype=tl.float32)
+    lo, hi, full_lo, full_hi = _q_blocks(
+        n0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
+    )
+    if HAS_SEG:  # every block is masked (no SPLIT)
+        lo, hi = _segment_span(kvseg_base + SEQ_K, cols, lo, hi, SEQ_K, SEQ_Q, BLOCK_Q)
+        full_lo = hi
+        full_hi = hi
+    gap = full_hi - full_lo  # the unmasked q blocks, which the masked loop steps over
+    EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # as in the forward and dQ
+    for g in range(GROUP):
+        h = kvh * GROUP + g
+        bh64 = b64 * HEADS + h
+        q_base = Q + b64 * SQB + h * SQH
+        do_base = DOut + b64 * SDOB + h * SDOH
+        lse2_base = Lse2 + bh64 * SEQ_Q
+        delta_base = Delta + bh64 * SEQ_Q
+        bias_base = Bias + b64 * SBB + h * SBH
+        mask_base = Mask + b64 * SMB + h * SMH
+        dbias_base = DBias + bh64 * SEQ_Q * SEQ_K
+        # The unmasked q blocks first. With the diagonal's two or so masked blocks ahead of them,
+        # the causal kernel took 1.26x as long at 4x4096x16x128 (ncu; NOTES.md, twenty-third round).
+        if SPLIT:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
+                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full_lo, full_hi, hi, 0,
+                False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE,
+                SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG,
+                DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, False, WANT_DK, WANT_DV,
+            )  # fmt: skip
+        # The masked ones in one loop: [lo, full_lo) (the diagonal, a window's right edge), then
+        # [full_hi, hi) (a window's left edge). A loop of its own for the second made ptxas spill
+        # 128-156 bytes at head dim 128 (benchmarks/triton_sass.py; NOTES.md, sixty-first round).
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
+            mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
+            True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP,
+            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH,
+            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, EDGES, WANT_DK, WANT_DV,
+        )  # fmt: skip
+    if WANT_DK:
+        dk = dk * SCALE
+        dk_ptrs = DK + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :]
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
+    if WANT_DV:
+        if DROP_SCALE != 1.0:  # dropout on
+            dv = dv * DROP_SCALE
+        dv_ptrs = DV + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :]
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -718,75 +863,39 @@ def bwd_dkdv_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    """dK and dV of one key block of one kv head, summed over the query heads of its group."""
-    pid_n = tl.program_id(0)
+    """dK and dV of one key block of one kv head, summed over the query heads of its group. With
+    ``PARTS = 2`` two neighbouring programs share the block, the first for dV and the second for dK,
+    each recomputing the scores: one float32 accumulator leaves room where two spill (head dim 256,
+    NOTES.md, seventy-second round)."""
     bkvh = tl.program_id(1)
-    kv_heads = HEADS // GROUP
-    b = bkvh // kv_heads
-    kvh = bkvh % kv_heads
-    b64 = b.to(tl.int64)
-    n0 = pid_n * BLOCK_K
-    cols = n0 + tl.arange(0, BLOCK_K)
-    offs_d = tl.arange(0, BLOCK_D)
-    kv_mask = (cols[:, None] < SEQ_K) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(
-        K + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0
-    )
-    v = tl.load(
-        V + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0
-    )
-    drop_key = _seed_key(Seed)
-    qseg_base = QSeg + b64 * (3 * SEQ_Q)
-    kvseg_base = KVSeg + b64 * (3 * SEQ_K)
-    dk = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    lo, hi, full_lo, full_hi = _q_blocks(
-        n0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT
-    )
-    if HAS_SEG:  # every block is masked (no SPLIT)
-        lo, hi = _segment_span(kvseg_base + SEQ_K, cols, lo, hi, SEQ_K, SEQ_Q, BLOCK_Q)
-        full_lo = hi
-        full_hi = hi
-    gap = full_hi - full_lo  # the unmasked q blocks, which the masked loop steps over
-    EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # as in the forward and dQ
-    for g in range(GROUP):
-        h = kvh * GROUP + g
-        bh64 = b64 * HEADS + h
-        q_base = Q + b64 * SQB + h * SQH
-        do_base = DOut + b64 * SDOB + h * SDOH
-        lse2_base = Lse2 + bh64 * SEQ_Q
-        delta_base = Delta + bh64 * SEQ_Q
-        bias_base = Bias + b64 * SBB + h * SBH
-        mask_base = Mask + b64 * SMB + h * SMH
-        dbias_base = DBias + bh64 * SEQ_Q * SEQ_K
-        # The unmasked q blocks first. With the diagonal's two or so masked blocks ahead of them,
-        # the causal kernel took 1.26x as long at 4x4096x16x128 (ncu; NOTES.md, twenty-third round).
-        if SPLIT:
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-                mask_base, qseg_base, kvseg_base, dbias_base, drop_key, full_lo, full_hi, hi, 0,
-                False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE,
-                SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG,
-                DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, False,
-            )  # fmt: skip
-        # The masked ones in one loop: [lo, full_lo) (the diagonal, a window's right edge), then
-        # [full_hi, hi) (a window's left edge). A loop of its own for the second made ptxas spill
-        # 128-156 bytes at head dim 128 (benchmarks/triton_sass.py; NOTES.md, sixty-first round).
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, b, h, cols, q_base, do_base, lse2_base, delta_base, bias_base,
-            mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
-            True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP,
-            CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH,
-            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, EDGES,
+    if PARTS == 1:
+        _dkdv_block(
+            Q, K, V, Bias, Mask, QSeg, KVSeg, Seed, DOut, Lse2, Delta, DK, DV, DBias, HEADS, GROUP,
+            SEQ_Q, SEQ_K, HEAD_DIM, SQB, SQS, SQH, SKB, SKS, SKH, SVB, SVS, SVH, SDOB, SDOS, SDOH,
+            SBB, SBH, SBM, SBN, SMB, SMH, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
+            WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, SPLIT,
+            DOT_PRECISION, BLOCK_Q, BLOCK_K, BLOCK_D, tl.program_id(0), bkvh, True, True,
         )  # fmt: skip
-    if DROP_SCALE != 1.0:  # dropout on
-        dv = dv * DROP_SCALE
-    dk = dk * SCALE
-    dk_ptrs = DK + b64 * SKB + kvh * SKH + cols[:, None] * SKS + offs_d[None, :]
-    dv_ptrs = DV + b64 * SVB + kvh * SVH + cols[:, None] * SVS + offs_d[None, :]
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    else:
+        pid = tl.program_id(0)
+        if pid % 2 == 0:
+            _dkdv_block(
+                Q, K, V, Bias, Mask, QSeg, KVSeg, Seed, DOut, Lse2, Delta, DK, DV, DBias, HEADS,
+                GROUP, SEQ_Q, SEQ_K, HEAD_DIM, SQB, SQS, SQH, SKB, SKS, SKH, SVB, SVS, SVH, SDOB,
+                SDOS, SDOH, SBB, SBH, SBM, SBN, SMB, SMH, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
+                WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
+                SPLIT, DOT_PRECISION, BLOCK_Q, BLOCK_K, BLOCK_D, pid // 2, bkvh, False, True,
+            )  # fmt: skip
+        else:
+            _dkdv_block(
+                Q, K, V, Bias, Mask, QSeg, KVSeg, Seed, DOut, Lse2, Delta, DK, DV, DBias, HEADS,
+                GROUP, SEQ_Q, SEQ_K, HEAD_DIM, SQB, SQS, SQH, SKB, SKS, SKH, SVB, SVS, SVH, SDOB,
+                SDOS, SDOH, SBB, SBH, SBM, SBN, SMB, SMH, SMM, SMN, SCALE, SOFT_CAP, CAUSAL,
+                WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE,
+                SPLIT, DOT_PRECISION, BLOCK_Q, BLOCK_K, BLOCK_D, pid // 2, bkvh, True, False,
+            )  # fmt: skip
 
 
 @triton.jit
