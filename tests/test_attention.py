@@ -750,12 +750,12 @@ _MOS_CUDNN = ("pallas", "mosaic", "cudnn")  # the Mosaic forward on cuDNN's back
         (128, False, "bias_f32", _TRI, _TRI),
         (128, True, "bias", _PT, _TRI),
         (128, False, "bias", _TRI, _TRI),
-        # above head dim 128 cuDNN trains with a mask or a bias, and Triton infers
-        (256, True, "mask", _CUDNN, _TRI),
-        (256, False, "mask", _CUDNN, _TRI),
-        (256, True, "bias", _CUDNN, _TRI),
-        (256, False, "bias", _CUDNN, _TRI),
-        (256, True, "bias_f32", _PT, _TRI),  # cuDNN refuses a float32 bias: the next trains
+        # above head dim 128 Triton (dV and dK apart) trains and infers with a mask or a bias
+        (256, True, "mask", _TRI, _TRI),
+        (256, False, "mask", _TRI, _TRI),
+        (256, True, "bias", _TRI, _TRI),
+        (256, False, "bias", _TRI, _TRI),
+        (256, True, "bias_f32", _TRI, _TRI),
         (256, True, "soft_cap", _TRI, _TRI),
         (64, True, "dropout", _TRI, _TRI),
         (128, True, "dropout", _TRI, _TRI),

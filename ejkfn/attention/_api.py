@@ -537,16 +537,16 @@ def _feature_backends(
         if wide:
             return (_TRITON,), _TRITON
         return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
-    # Above head dim 128 cuDNN trains with a mask or a bias first (where it takes the call)
-    cudnn_first = (_CUDNN,) if widest else ()
     if spec.has_mask:
-        return (*cudnn_first, _TRITON if wide else _PALLAS_TRITON), (
+        return (_TRITON if wide else _PALLAS_TRITON,), (
             _TRITON if wide and (spec.causal or widest) else _PALLAS_TRITON
         )
     if spec.has_bias:
-        training = _PALLAS_TRITON if spec.causal or not wide else _TRITON
+        # above head dim 128 Triton's backward (dV and dK apart) ran forward+backward 1.08-1.26x
+        # cuDNN's pair with a mask or a bias (results/features_NVIDIA_H200_20261201-030342.json)
+        training = _PALLAS_TRITON if (spec.causal and not widest) or not wide else _TRITON
         narrow_causal = spec.causal and not wide and not wide_bias
-        return (*cudnn_first, training), (_PALLAS_TRITON if narrow_causal else _TRITON)
+        return (training,), (_PALLAS_TRITON if narrow_causal else _TRITON)
     if spec.dropout_prob > 0.0:
         return (_TRITON,), _TRITON
     seen = spec.window_keys
