@@ -898,19 +898,19 @@ def test_auto_orders_float32_inputs_on_gpus(
     # above head dim 128, 16 rows (32 spill there)
     wide = dataclasses.replace(f32, head_dim=256)
     assert [(p.q_blocksize, p.kv_blocksize) for p in _triton.heuristic(wide)] == [(16, 32)] * 2
-    # in 16 bits there, 128-row forward blocks; plain calls train on mirrored wgmma blocks, the
-    # others (whose dK/dV spills on those) on 32 x 32
+    # in 16 bits there, 128-row forward blocks; every call trains with dV and dK in programs of
+    # their own, each keeping 128 keys on 8 warps, dQ mirrored
     wide = dataclasses.replace(shape, head_dim=256)
     capped = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, soft_cap=50.0))
     (fwd, plain), (_, other) = _triton.heuristic(wide), _triton.heuristic(capped)
     assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps) == (128, 64, 8)
-    assert (plain.q_blocksize, plain.kv_blocksize, plain.variant) == (32, 64, _triton.MIRRORED)
-    assert (other.q_blocksize, other.kv_blocksize, other.variant) == (32, 32, None)
-    # dropout keeps those dK/dV blocks and gives dQ twice their rows (wgmma), on 3 stages
-    dropped = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, dropout_prob=0.1))
-    tall = _triton.heuristic(dropped)[1]
-    assert (tall.q_blocksize, tall.kv_blocksize, tall.num_stages) == (32, 32, 3)
-    assert _triton.dq_launch(tall).rows == 64
+    for bwd in (plain, other):
+        assert (bwd.q_blocksize, bwd.kv_blocksize, bwd.num_warps, bwd.variant) == (
+            32, 128, 8, _triton.SPLIT_DKDV,
+        )  # fmt: skip
+    assert _triton.dq_launch(plain).rows == 128
+    # one float32 accumulator a program: the same blocks keeping both do not fit the registers
+    assert not _triton._fits(wide, dataclasses.replace(plain, variant=_triton.MIRRORED), True)
     # Pallas-Triton's forward takes the same 128-row blocks there, and they fit with a bias
     biased = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, has_bias=True))
     for s in (wide, biased):

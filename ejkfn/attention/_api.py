@@ -537,13 +537,14 @@ def _feature_backends(
         if wide:
             return (_TRITON,), _TRITON
         return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
+    # above head dim 128 Triton's backward (dV and dK apart) ran forward+backward 1.08-1.26x
+    # cuDNN's pair with a mask or a bias at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and
+    # not (results/features_NVIDIA_H200_20261201-030342.json, -030857.json)
     if spec.has_mask:
         return (_TRITON if wide else _PALLAS_TRITON,), (
             _TRITON if wide and (spec.causal or widest) else _PALLAS_TRITON
         )
     if spec.has_bias:
-        # above head dim 128 Triton's backward (dV and dK apart) ran forward+backward 1.08-1.26x
-        # cuDNN's pair with a mask or a bias (results/features_NVIDIA_H200_20261201-030342.json)
         training = _PALLAS_TRITON if (spec.causal and not widest) or not wide else _TRITON
         narrow_causal = spec.causal and not wide and not wide_bias
         return (training,), (_PALLAS_TRITON if narrow_causal else _TRITON)

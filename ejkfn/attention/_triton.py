@@ -701,9 +701,12 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # dV and dK in programs of their own, each keeping 128 keys on 8 warps and streaming 32
         # queries: one float32 accumulator a program, wgmma without a spill with every feature
         # (triton_sass.py), where keeping both spilled on any wgmma block. Forward+backward
-        # 1.21-1.51x the blocks before (32 x 32 on 4 warps, mma.sync; mirrored 32 x 64 on 8
-        # plain) at 2x4096x8x256, causal and not, plain, with a soft cap, segment ids or dropout
-        # (results/features_NVIDIA_H200_20261201-025147.json); keeping 64 keys 0.41-0.69x.
+        # 1.21-1.51x the blocks before (mirrored 32 x 64 on 8 warps plain, else 32 x 32 on 4 with
+        # mma.sync, dQ on 64 rows with dropout) at 2x4096x8x256, causal and not, plain, with a
+        # soft cap, segment ids or dropout; against 32 x 32 1.38-1.66x at 1x8192x16(8 kv)x256 and
+        # 4x2048x16x256, 1.29-1.70x with a bias, a mask or 256 keys a side. Streaming 16 queries
+        # on 3 or 4 stages ran 0.76-0.88x these, keeping 64 keys 0.55-0.81x
+        # (results/features_NVIDIA_H200_20261201-025147.json, -030009.json, -030342.json).
         bp = BwdParams(
             q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
         )
@@ -760,16 +763,9 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
     ]
     if shape.head_dim > 128:
         # dK/dV on mma.sync blocks that do not spill, dQ on wgmma ones (on 2 stages they ran
-        # 0.89-0.93x 3, results/features_NVIDIA_H200_20261201-023207.json); dV and dK apart,
-        # streaming 16 queries on more stages
+        # 0.89-0.93x 3, results/features_NVIDIA_H200_20261201-023207.json)
         bwds += [
             BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=3, variant=TALL_DQ)
-        ]
-        bwds += [
-            BwdParams(
-                q_blocksize=16, kv_blocksize=128, num_warps=8, num_stages=s, variant=SPLIT_DKDV
-            )
-            for s in (3, 4)
         ]
     bwds += [dataclasses.replace(heur_b, dq_num_stages=s) for s in range(1, heur_b.num_stages)]
     if shape.dtype == "float32":
