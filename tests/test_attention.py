@@ -911,11 +911,12 @@ def test_auto_orders_float32_inputs_on_gpus(
     assert _triton.dq_launch(plain).rows == 128
     # one float32 accumulator a program: the same blocks keeping both do not fit the registers
     assert not _triton._fits(wide, dataclasses.replace(plain, variant=_triton.MIRRORED), True)
-    # Pallas-Triton's forward takes the same 128-row blocks there, and they fit with a bias
+    # Pallas-Triton's forward takes the same 128-row blocks there on 2 stages; with a bias, whose
+    # float32 tiles would leave them 1, its blocks before
     biased = dataclasses.replace(wide, spec=dataclasses.replace(wide.spec, has_bias=True))
-    for s in (wide, biased):
-        fwd = _pallas_gpu.heuristic(s)[0]
-        assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps) == (128, 64, 8)
+    fwd, other = _pallas_gpu.heuristic(wide)[0], _pallas_gpu.heuristic(biased)[0]
+    assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps, fwd.num_stages) == (128, 64, 8, 2)
+    assert (other.q_blocksize, other.kv_blocksize, other.num_stages) == (64, 32, 2)
 
 
 @pytest.fixture

@@ -200,32 +200,24 @@ def test_triton_matches_reference(name):
 )
 @pytest.mark.parametrize(
     "variant, kv_block",
-    [(MIRRORED, 32), (MIRRORED_HALF, 64), (MIRRORED_WIDE, 32), (TALL_DQ, 32)],
+    [(MIRRORED, 32), (MIRRORED_HALF, 64), (MIRRORED_WIDE, 32), (TALL_DQ, 32), (SPLIT_DKDV, 32)],
 )
 def test_triton_mirrored_backward_matches_reference(name, variant, kv_block):
     """dQ with the dK/dV kernel's blocks turned around (32 rows kept, 16 streamed; with
     mirrored_half half of the dK/dV kernel's 64; with mirrored_wide 32 streamed; tall_dq keeps
-    32 rows of the dK/dV kernel's 16 and streams its 32): ragged lengths pad to other multiples in
-    the two kernels, and dbias comes from the dQ kernel's blocks."""
+    32 rows of the dK/dV kernel's 16 and streams its 32; split_dkdv as mirrored, with dV and dK
+    from programs of their own): ragged lengths pad to other multiples in the two kernels, and
+    dbias comes from the dQ kernel's blocks."""
     bp = BwdParams(q_blocksize=16, kv_blocksize=kv_block, variant=variant)
     _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, bp)
 
 
-def test_triton_refuses_the_split_dkdv_variant():
-    """split_dkdv is the Triton backward's; Pallas-Triton names it and its own variants, and its
-    tuner never fits it."""
-    case = TRITON_CASES["causal_q_shorter"]
-    x = _inputs(case, 1)
-    out, lse = _pallas_gpu.fwd(x["q"], x["k"], x["v"], spec=case.spec, params=SMALL_FWD)
+@pytest.mark.parametrize("name", ["bias_softcap_d80", "bf16_causal_d64", "window_two_sided"])
+def test_triton_split_dkdv_backward(name):
+    """dV and dK from programs of their own, with a soft cap's derivative, in 16 bits (one
+    stacked output in the inputs' dtype) and across a two-sided window's edges."""
     bp = BwdParams(q_blocksize=16, kv_blocksize=32, variant=SPLIT_DKDV)
-    with pytest.raises(ValueError, match=r"variant='split_dkdv'.*mirrored_wide"):
-        _pallas_gpu.bwd(
-            x["q"], x["k"], x["v"], None, None, None, None, None, out, lse, x["dout"],
-            spec=case.spec, params=bp,
-        )  # fmt: skip
-    shape = AttentionShape.of(x["q"], x["k"], case.spec)
-    assert not _pallas_gpu._fits_pass(shape, bp, backward=True)
-    assert _pallas_gpu._fits_pass(shape, dataclasses.replace(bp, variant=MIRRORED), backward=True)
+    _check(_pallas_gpu, TRITON_CASES[name], SMALL_FWD, bp)
 
 
 def test_triton_default_params_and_custom_vjp():

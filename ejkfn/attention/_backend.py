@@ -89,10 +89,10 @@ MIRRORED_WIDE = "mirrored_wide"
 # runs mma.sync without a spill) where the dQ kernel's 64 rows on 8 warps compile to wgmma
 # (NOTES.md, seventy-first round).
 TALL_DQ = "tall_dq"
-# BwdParams.variant of the Triton backward whose dK/dV kernel runs dV and dK in two programs a key
-# block, each recomputing the scores (4 products become 5), and whose dQ kernel mirrors it: at head
-# dim 256 one float32 accumulator of 128 x 256 on 8 warps compiles to wgmma without a spill, where
-# two spilled on any wgmma block (NOTES.md, seventy-second round). Pallas-Triton refuses it.
+# BwdParams.variant of the portable backwards whose dK/dV kernel runs dV and dK in two programs a
+# key block, each recomputing the scores (4 products become 5), and whose dQ kernel mirrors it: at
+# head dim 256 one float32 accumulator of 128 x 256 on 8 warps compiles to wgmma without a spill
+# in Triton, where two spilled on any wgmma block (NOTES.md, seventy-second round).
 SPLIT_DKDV = "split_dkdv"
 # The portable backwards' variants besides None (their dQ kernel's launch: dq_launch).
 PORTABLE_VARIANTS = (MIRRORED, MIRRORED_HALF, MIRRORED_WIDE, TALL_DQ, SPLIT_DKDV)

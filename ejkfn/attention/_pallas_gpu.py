@@ -35,7 +35,6 @@ from ._backend import (
     FLOAT32_FWD_CANDIDATES,
     MIRRORED,
     MIRRORED_WIDE,
-    PORTABLE_VARIANTS,
     SPLIT_DKDV,
     AttentionBackend,
     AttentionShape,
@@ -50,8 +49,6 @@ from ._dropout import keep_mask, keep_scale, keep_tile
 from ._spec import AttentionSpec
 
 __all__ = ["bwd", "candidates", "fwd", "heuristic"]
-
-_VARIANTS = tuple(v for v in PORTABLE_VARIANTS if v != SPLIT_DKDV)  # this backward's variants
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -471,16 +468,16 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
     lse_ref[...] = jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(den))
 
 
-def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
+def _dkdv_kernel(*refs: Any, g: _Geom, parts: int) -> None:
+    """dK and dV of a key block, summed over its GQA group's query heads. With ``parts = 2`` two
+    neighbouring programs share the block, the first writing dV and the second dK into one stacked
+    output, each recomputing the scores with one float32 accumulator."""
     r = _Refs(g, refs, ("do", "lse", "delta"), spans=True)
-    dk_ref, dv_ref = r.outs
     bq, bk = g.bq, g.bk
-    kb, bkv = pl.program_id(0), pl.program_id(1)
+    kb, bkv = pl.program_id(0) // parts, pl.program_id(1)
     b, kvh = bkv // g.kv_heads, bkv % g.kv_heads
     k0 = kb * bk
     cols = (k0 + jnp.arange(bk, dtype=jnp.int32))[:, None]
-    k = r.k[...]
-    v = r.v[...]
     kseg = r.kseg[...][:, None] if r.kseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = keep_scale(g.spec.dropout_prob)
@@ -488,52 +485,74 @@ def _dkdv_kernel(*refs: Any, g: _Geom) -> None:
     if r.kspan is not None:
         bounds = _segment_blocks(bounds, r.kspan, bq)
 
-    def head(t: Any, carry: Any) -> Any:
-        h = kvh * g.group + t
+    def accumulate(want_dk: bool, want_dv: bool) -> tuple[Any, Any]:
+        """(dk, dv) in float32, None for the one not wanted."""
+        k = r.k[...]
+        v = r.v[...] if want_dk else None
 
-        # On [keys, queries] tiles: p^T and ds^T are then the products' left operands as they
-        # stand, where [queries, keys] tiles needed both turned around through shared memory.
-        def body(qb: Any, carry: Any, masked: bool) -> Any:
-            dk, dv = carry
-            q0 = pl.multiple_of(qb * bq, bq)
-            rows = (q0 + jnp.arange(bq, dtype=jnp.int32))[None, :]
-            q = r.q[pl.ds(q0, bq), t, :]
-            do = r.do[pl.ds(q0, bq), t, :]
-            lse = r.lse[t, pl.ds(q0, bq)]
-            delta = r.delta[t, pl.ds(q0, bq)]
-            bias = None
-            if r.bias is not None:
-                bias = r.bias[t, pl.ds(q0, bq), :] if g.bias_bh[1] else r.bias[pl.ds(q0, bq), :]
-                bias = bias.T
-            visible = None
-            if masked:
-                qseg = r.qseg[pl.ds(q0, bq)][None, :] if r.qseg is not None else None
-                mask = None
-                if r.mask is not None:
-                    mask = r.mask[t, pl.ds(q0, bq), :] if g.mask_bh[1] else r.mask[pl.ds(q0, bq), :]
-                    mask = mask.T
-                visible = _visible(g, rows, cols, qseg, kseg, mask)
-            p, tanh = _probs(g, k, q, bias, lse[None, :], visible)
-            dp = _dot(g, v, do, tb=True)
-            if seed is not None:
-                keep = _keep(g, seed, b, h, rows, cols)
-                pd = jnp.where(keep, p * inv_keep, 0.0)
-                dp = jnp.where(keep, dp * inv_keep, 0.0)
-            else:
+        def head(t: Any, carry: Any) -> Any:
+            h = kvh * g.group + t
+
+            # On [keys, queries] tiles: p^T and ds^T are then the products' left operands as they
+            # stand, where [queries, keys] tiles needed both turned around through shared memory.
+            def body(qb: Any, carry: Any, masked: bool) -> Any:
+                dk, dv = carry
+                q0 = pl.multiple_of(qb * bq, bq)
+                rows = (q0 + jnp.arange(bq, dtype=jnp.int32))[None, :]
+                q = r.q[pl.ds(q0, bq), t, :]
+                do = r.do[pl.ds(q0, bq), t, :]
+                lse = r.lse[t, pl.ds(q0, bq)]
+                delta = r.delta[t, pl.ds(q0, bq)] if want_dk else None
+                bias = None
+                if r.bias is not None:
+                    bias = r.bias[t, pl.ds(q0, bq), :] if g.bias_bh[1] else r.bias[pl.ds(q0, bq), :]
+                    bias = bias.T
+                visible = None
+                if masked:
+                    qseg = r.qseg[pl.ds(q0, bq)][None, :] if r.qseg is not None else None
+                    mask = None
+                    if r.mask is not None:
+                        mask = (
+                            r.mask[t, pl.ds(q0, bq), :]
+                            if g.mask_bh[1]
+                            else r.mask[pl.ds(q0, bq), :]
+                        )
+                        mask = mask.T
+                    visible = _visible(g, rows, cols, qseg, kseg, mask)
+                p, tanh = _probs(g, k, q, bias, lse[None, :], visible)
+                dp = _dot(g, v, do, tb=True) if want_dk else None
                 pd = p
-            dv = dv + _dot(g, pd.astype(do.dtype), do)
-            ds = p * (dp - delta[None, :])
-            if tanh is not None:
-                ds = ds * (1.0 - tanh * tanh)
-            dk = dk + _dot(g, ds.astype(q.dtype), q)
-            return dk, dv
+                if seed is not None:
+                    keep = _keep(g, seed, b, h, rows, cols)
+                    pd = jnp.where(keep, p * inv_keep, 0.0) if want_dv else None
+                    dp = jnp.where(keep, dp * inv_keep, 0.0) if want_dk else None
+                if want_dv:
+                    dv = dv + _dot(g, pd.astype(do.dtype), do)
+                if want_dk:
+                    ds = p * (dp - delta[None, :])
+                    if tanh is not None:
+                        ds = ds * (1.0 - tanh * tanh)
+                    dk = dk + _dot(g, ds.astype(q.dtype), q)
+                return dk, dv
 
-        return _three_loops(g, bounds, body, carry, over_q=True)
+            return _three_loops(g, bounds, body, carry, over_q=True)
 
-    zeros = jnp.zeros((bk, g.dpad), jnp.float32)
-    dk, dv = lax.fori_loop(0, g.group, head, (zeros, zeros))
-    dk_ref[...] = (dk * g.spec.scale).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+        zeros = jnp.zeros((bk, g.dpad), jnp.float32)
+        start = (zeros if want_dk else None, zeros if want_dv else None)
+        return lax.fori_loop(0, g.group, head, start)
+
+    if parts == 1:
+        dk_ref, dv_ref = r.outs
+        dk, dv = accumulate(True, True)
+        dk_ref[...] = (dk * g.spec.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv.astype(dv_ref.dtype)
+        return
+    (out_ref,) = r.outs
+    out_ref[...] = lax.cond(
+        pl.program_id(0) % 2 == 0,
+        lambda: accumulate(False, True)[1],
+        lambda: accumulate(True, False)[0] * g.spec.scale,
+    ).astype(out_ref.dtype)
 
 
 def _dq_kernel(*refs: Any, g: _Geom) -> None:
@@ -776,13 +795,9 @@ def bwd(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Backward pass: ``(dq, dk, dv, dbias)``; dbias is shaped like ``bias`` (None without one).
     ``params.variant="mirrored"`` gives the dQ kernel the dK/dV kernel's blocks turned around
-    (:func:`._backend.dq_launch`, which also says what the other variants ask)."""
+    (:func:`._backend.dq_launch`, which also says what the other variants ask); ``"split_dkdv"``
+    runs dV and dK in programs of their own (:func:`_dkdv_kernel`)."""
     params = params or BwdParams()
-    if params.variant == SPLIT_DKDV:
-        raise ValueError(
-            f"variant={params.variant!r} is the Triton backward's (dV and dK in programs of their "
-            f"own); Pallas-Triton takes None or one of {_VARIANTS}"
-        )
     _check(spec, bias, mask, q_seg, seed)
     interpret = _resolve_interpret(interpret)
     g = _geom(q, k, bias, mask, spec, params.q_blocksize, params.kv_blocksize, interpret)
@@ -848,12 +863,18 @@ def bwd(
     )(*padded(gq, _pad_qkv(gq, out.astype(q.dtype), gq.sqp)))
     delta = _pad(res[1][:, :, : g.seq_q], 2, g.sqp)  # to the dK/dV kernel's padding
 
-    # dK, dV: grid (kv block, batch * kv head); each program sums over its group's query heads.
+    # dK, dV: grid (kv block [and part], batch * kv head); each program sums over its group's
+    # query heads. With split_dkdv program 2i writes dV of key block i and 2i + 1 its dK, both into
+    # one output stacked [dV, dK].
+    parts = 2 if params.variant == SPLIT_DKDV else 1
+
     def bkvh(j: Any) -> tuple[Any, Any]:
         return j // g.kv_heads, j % g.kv_heads
 
     qgroup = pl.BlockSpec((None, g.sqp, group, g.dpad), lambda i, j: (bkvh(j)[0], 0, bkvh(j)[1], 0))
-    kvblock = pl.BlockSpec((None, g.bk, None, g.dpad), lambda i, j: (bkvh(j)[0], i, bkvh(j)[1], 0))
+    kvblock = pl.BlockSpec(
+        (None, g.bk, None, g.dpad), lambda i, j: (bkvh(j)[0], i // parts, bkvh(j)[1], 0)
+    )
     rowgroup = pl.BlockSpec((None, group, g.sqp), lambda i, j: (bkvh(j)[0], bkvh(j)[1], 0))
     extra_specs: list[pl.BlockSpec] = []
     for present, dims in ((spec.has_bias, g.bias_bh), (spec.has_mask, g.mask_bh)):
@@ -861,29 +882,46 @@ def bwd(
             extra_specs.append(
                 pl.BlockSpec(
                     (None, group if dims[1] else None, g.sqp, g.bk),
-                    lambda i, j, dims=dims: (*_pair_index(dims, *bkvh(j)), 0, i),
+                    lambda i, j, dims=dims: (*_pair_index(dims, *bkvh(j)), 0, i // parts),
                 )
             )
     if spec.has_segments:
         extra_specs.append(pl.BlockSpec((None, g.sqp), lambda i, j: (bkvh(j)[0], 0)))
-        extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], i)))
+        extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], i // parts)))
         extra_specs.append(pl.BlockSpec((None, 2, g.sqp), lambda i, j: (bkvh(j)[0], 0, 0)))
-        extra_specs.append(pl.BlockSpec((None, 2, g.bk), lambda i, j: (bkvh(j)[0], 0, i)))
+        extra_specs.append(pl.BlockSpec((None, 2, g.bk), lambda i, j: (bkvh(j)[0], 0, i // parts)))
     if spec.dropout_prob > 0:
         extra_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, g=g),
-        grid=(g.skp // g.bk, g.batch * g.kv_heads),
+    kv_shape = (g.batch, g.skp, g.kv_heads, g.dpad)
+    if parts == 1:
+        out_specs = [kvblock, kvblock]
+        out_shape = [
+            jax.ShapeDtypeStruct(kv_shape, k.dtype),
+            jax.ShapeDtypeStruct(kv_shape, v.dtype),
+        ]
+    else:
+        out_specs = [
+            pl.BlockSpec(
+                (None, None, g.bk, None, g.dpad),
+                lambda i, j: (i % 2, bkvh(j)[0], i // 2, bkvh(j)[1], 0),
+            )
+        ]
+        stacked = k.dtype if k.dtype == v.dtype else jnp.float32  # rounded once, to its own
+        out_shape = [jax.ShapeDtypeStruct((2, *kv_shape), stacked)]  # dV, dK
+    outs = pl.pallas_call(
+        functools.partial(_dkdv_kernel, g=g, parts=parts),
+        grid=(g.skp // g.bk * parts, g.batch * g.kv_heads),
         in_specs=[qgroup, kvblock, kvblock, qgroup, rowgroup, rowgroup, *extra_specs],
-        out_specs=[kvblock, kvblock],
-        out_shape=[
-            jax.ShapeDtypeStruct((g.batch, g.skp, g.kv_heads, g.dpad), k.dtype),
-            jax.ShapeDtypeStruct((g.batch, g.skp, g.kv_heads, g.dpad), v.dtype),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=cp,
         interpret=interpret,
         name="ejkfn_flash_bwd_dkdv",
     )(*padded(g, delta))
+    if parts == 1:
+        dk, dv = outs
+    else:
+        dv, dk = outs[0][0].astype(v.dtype), outs[0][1].astype(k.dtype)
 
     dq = res[0][:, : g.seq_q, :, : g.head_dim]
     dbias = None
@@ -939,8 +977,6 @@ def _fits_pass(shape: AttentionShape, p: FwdParams | BwdParams, backward: bool) 
     if not backward:
         smem = _smem_bytes(p.q_blocksize, p.kv_blocksize, dpad, p.num_stages, item, pair)
         return smem <= _SMEM_LIMIT
-    if p.variant not in (None, *_VARIANTS):
-        return False
     # dK/dV keeps k, v blocks and streams q, do; dQ the reverse (or the same sizes, mirrored)
     dkdv = _smem_bytes(p.kv_blocksize, p.q_blocksize, dpad, p.num_stages, item, pair, resident=2)
     rows, cols, _, dq_stages = dq_launch(p)
@@ -1014,8 +1050,13 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # 128 x 64 on 8 warps ran the forward 1.07-1.33x 64 x 32 on 4 (its blocks before) at
         # 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not, plain and with a soft cap, a
         # window, a bias, dropout or segment ids (results/features_NVIDIA_H200_20261201-023441.json,
-        # -023919.json); with 3 stages they do not fit shared memory
+        # -023919.json); with 3 stages they do not fit shared memory. With a bias they ran 1.26x
+        # on 2 stages, which fit a 16-bit bias only; the fit counts a float32 one (and a mask's
+        # tiles overflow its limit), so with either they would run on 1 stage, not timed: those
+        # keep the blocks before.
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
+        if shape.spec.has_bias or shape.spec.has_mask:
+            fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
         bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
     if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill. The backward
@@ -1066,6 +1107,14 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bk in (64, 128)
         for s in (2, 3, 4)
     ]
+    if (
+        padded_head_dim(shape.head_dim) > 128
+    ):  # Triton's fastest head-dim-256 backward (untimed here)
+        bwds += [
+            BwdParams(
+                q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
+            )
+        ]
     if shape.dtype == "float32":
         fwds += FLOAT32_FWD_CANDIDATES
     heur = heuristic(shape)
