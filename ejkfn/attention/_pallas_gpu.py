@@ -474,10 +474,13 @@ def _dkdv_kernel(*refs: Any, g: _Geom, parts: int) -> None:
     output, each recomputing the scores with one float32 accumulator."""
     r = _Refs(g, refs, ("do", "lse", "delta"), spans=True)
     bq, bk = g.bq, g.bk
-    kb, bkv = pl.program_id(0) // parts, pl.program_id(1)
+    kb = pl.program_id(0) // parts if parts > 1 else pl.program_id(0)
+    bkv = pl.program_id(1)
     b, kvh = bkv // g.kv_heads, bkv % g.kv_heads
     k0 = kb * bk
     cols = (k0 + jnp.arange(bk, dtype=jnp.int32))[:, None]
+    if parts == 1:  # (the split programs load theirs in their own branch)
+        k, v = r.k[...], r.v[...]
     kseg = r.kseg[...][:, None] if r.kseg is not None else None
     seed = r.seed[0] if r.seed is not None else None
     inv_keep = keep_scale(g.spec.dropout_prob)
@@ -485,10 +488,8 @@ def _dkdv_kernel(*refs: Any, g: _Geom, parts: int) -> None:
     if r.kspan is not None:
         bounds = _segment_blocks(bounds, r.kspan, bq)
 
-    def accumulate(want_dk: bool, want_dv: bool) -> tuple[Any, Any]:
-        """(dk, dv) in float32, None for the one not wanted."""
-        k = r.k[...]
-        v = r.v[...] if want_dk else None
+    def accumulate(k: Any, v: Any, want_dk: bool, want_dv: bool) -> tuple[Any, Any]:
+        """(dk, dv) in float32, None for the one not wanted (``v`` is read only for dk)."""
 
         def head(t: Any, carry: Any) -> Any:
             h = kvh * g.group + t
@@ -543,15 +544,15 @@ def _dkdv_kernel(*refs: Any, g: _Geom, parts: int) -> None:
 
     if parts == 1:
         dk_ref, dv_ref = r.outs
-        dk, dv = accumulate(True, True)
+        dk, dv = accumulate(k, v, True, True)
         dk_ref[...] = (dk * g.spec.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv.astype(dv_ref.dtype)
         return
     (out_ref,) = r.outs
     out_ref[...] = lax.cond(
         pl.program_id(0) % 2 == 0,
-        lambda: accumulate(False, True)[1],
-        lambda: accumulate(True, False)[0] * g.spec.scale,
+        lambda: accumulate(r.k[...], None, False, True)[1],
+        lambda: accumulate(r.k[...], r.v[...], True, False)[0] * g.spec.scale,
     ).astype(out_ref.dtype)
 
 
@@ -871,9 +872,12 @@ def bwd(
     def bkvh(j: Any) -> tuple[Any, Any]:
         return j // g.kv_heads, j % g.kv_heads
 
+    def kvb(i: Any) -> Any:  # the key block of grid index i
+        return i // parts if parts > 1 else i
+
     qgroup = pl.BlockSpec((None, g.sqp, group, g.dpad), lambda i, j: (bkvh(j)[0], 0, bkvh(j)[1], 0))
     kvblock = pl.BlockSpec(
-        (None, g.bk, None, g.dpad), lambda i, j: (bkvh(j)[0], i // parts, bkvh(j)[1], 0)
+        (None, g.bk, None, g.dpad), lambda i, j: (bkvh(j)[0], kvb(i), bkvh(j)[1], 0)
     )
     rowgroup = pl.BlockSpec((None, group, g.sqp), lambda i, j: (bkvh(j)[0], bkvh(j)[1], 0))
     extra_specs: list[pl.BlockSpec] = []
@@ -882,14 +886,14 @@ def bwd(
             extra_specs.append(
                 pl.BlockSpec(
                     (None, group if dims[1] else None, g.sqp, g.bk),
-                    lambda i, j, dims=dims: (*_pair_index(dims, *bkvh(j)), 0, i // parts),
+                    lambda i, j, dims=dims: (*_pair_index(dims, *bkvh(j)), 0, kvb(i)),
                 )
             )
     if spec.has_segments:
         extra_specs.append(pl.BlockSpec((None, g.sqp), lambda i, j: (bkvh(j)[0], 0)))
-        extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], i // parts)))
+        extra_specs.append(pl.BlockSpec((None, g.bk), lambda i, j: (bkvh(j)[0], kvb(i))))
         extra_specs.append(pl.BlockSpec((None, 2, g.sqp), lambda i, j: (bkvh(j)[0], 0, 0)))
-        extra_specs.append(pl.BlockSpec((None, 2, g.bk), lambda i, j: (bkvh(j)[0], 0, i // parts)))
+        extra_specs.append(pl.BlockSpec((None, 2, g.bk), lambda i, j: (bkvh(j)[0], 0, kvb(i))))
     if spec.dropout_prob > 0:
         extra_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
     kv_shape = (g.batch, g.skp, g.kv_heads, g.dpad)
