@@ -774,6 +774,26 @@ def test_triton_sass_compiles_a_windows_interior_masked_or_not_as_asked(tmp_path
     assert loops == {"always": 2, "never": 1}
 
 
+def test_pallas_ttir_tells_a_changed_kernel_from_an_unchanged_one(tmp_path):
+    """Mirrored and split_dkdv backwards share their dQ kernel's launch: its IR hashes the same,
+    their dK/dV kernels' do not; ``--out`` writes the IR the hashes are of."""
+    digests = {}
+    for variant in ("mirrored", "split_dkdv"):
+        out = _run("pallas_ttir.py", "--shapes", "1x256x2x64", "--masks", "causal", "--bwd", f"16x32x4x2x{variant}", "--out", str(tmp_path / variant))  # fmt: skip
+        rows = [line.split() for line in out.splitlines()]
+        digests[variant] = {row[1]: row[2] for row in rows}
+        assert set(digests[variant]) == {
+            "ejkfn_flash_fwd", "ejkfn_flash_bwd_dq", "ejkfn_flash_bwd_dkdv",
+        }  # fmt: skip
+        written = sorted(p.name for p in (tmp_path / variant).iterdir())
+        assert written == sorted(f"1x256x2x64-causal-none-{k}.mlir" for k in digests[variant])
+    mirrored, split = digests["mirrored"], digests["split_dkdv"]
+    assert mirrored["ejkfn_flash_bwd_dq"] == split["ejkfn_flash_bwd_dq"]
+    assert mirrored["ejkfn_flash_bwd_dkdv"] != split["ejkfn_flash_bwd_dkdv"]
+    ir = (tmp_path / "split_dkdv" / "1x256x2x64-causal-none-ejkfn_flash_bwd_dkdv.mlir").read_text()
+    assert "tt.func" in ir and "loc(" not in ir
+
+
 @pytest.mark.slow
 def test_features_benchmark_checks_each_feature_against_the_reference(tmp_path):
     """On the CPU only ``auto`` (the XLA kernel) runs; each feature's arrays must reach it, or its
