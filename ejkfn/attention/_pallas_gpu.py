@@ -910,7 +910,8 @@ def bwd(
                 lambda i, j: (i % 2, bkvh(j)[0], i // 2, bkvh(j)[1], 0),
             )
         ]
-        stacked = k.dtype if k.dtype == v.dtype else jnp.float32  # rounded once, to its own
+        # float32 where k and v differ in dtype, so that each is rounded once, to its own
+        stacked = k.dtype if k.dtype == v.dtype else jnp.float32
         out_shape = [jax.ShapeDtypeStruct((2, *kv_shape), stacked)]  # dV, dK
     outs = pl.pallas_call(
         functools.partial(_dkdv_kernel, g=g, parts=parts),
