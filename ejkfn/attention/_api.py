@@ -475,11 +475,12 @@ def _hopper_cfg(
 #   0.81-0.84x; without a mask 0.99-1.00x). A float32 bias beside 16-bit inputs infers on Triton
 #   at D = 64 causal too (Pallas-Triton 0.89-0.92x at 8x2048x32x64 in two runs, fifty-second
 #   round); cuDNN refuses it (it would round it to 16 bits);
-# - above D = 128 with a mask or a bias (2x4096x8x256, causal and not): cuDNN's pair trains (Triton
-#   0.74-0.80x on its 128 x 64 forward, Pallas-Triton 0.53-0.66x) and Triton infers (cuDNN
-#   0.55-0.69x, Pallas-Triton 0.71-0.91x; results/features_NVIDIA_H200_20261201-004435.json,
-#   -004659.json, -005056.json, -005442.json, -005635.json); the other features there stay as above
-#   (segment ids, dropout and a soft cap train on Triton 1.00x, Pallas-Triton 0.82-0.90x);
+# - above D = 128 with a mask or a bias (2x4096x8x256 and 1x8192x16(8 kv)x256, causal and not):
+#   Triton trains, its backward running dV and dK apart (cuDNN's pair 0.79-0.93x it,
+#   results/features_NVIDIA_H200_20261201-030342.json, -030857.json; before that backward cuDNN's
+#   pair had led, Triton 0.74-0.80x, -004435.json to -005635.json), and infers (cuDNN 0.55-0.69x,
+#   Pallas-Triton 0.71-0.91x); the other features there stay as above (segment ids, dropout and a
+#   soft cap train on Triton 1.00x, Pallas-Triton 0.82-0.90x);
 # - dropout: Triton (causal, Pallas-Triton 0.94-0.97x, forward 0.96-1.00x; not causal 0.92-0.97x,
 #   forward 0.81-0.95x at 4x4096x16x128 and 8x2048x32x64);
 # - a window (sixty-third to sixty-fifth rounds; 8x2048x32x64, 2x8192x32(8 kv)x64, 4x4096x16x128,
@@ -537,9 +538,6 @@ def _feature_backends(
         if wide:
             return (_TRITON,), _TRITON
         return (_PALLAS_TRITON if spec.causal else _TRITON,), _PALLAS_TRITON
-    # above head dim 128 Triton's backward (dV and dK apart) ran forward+backward 1.08-1.26x
-    # cuDNN's pair with a mask or a bias at 2x4096x8x256 and 1x8192x16(8 kv)x256, causal and
-    # not (results/features_NVIDIA_H200_20261201-030342.json, -030857.json)
     if spec.has_mask:
         return (_TRITON if wide else _PALLAS_TRITON,), (
             _TRITON if wide and (spec.causal or widest) else _PALLAS_TRITON

@@ -22,6 +22,7 @@ __all__ = [
     "MIRRORED_WIDE",
     "PORTABLE_VARIANTS",
     "SPLIT_DKDV",
+    "TALL_DQ",
     "AttentionBackend",
     "AttentionShape",
     "backend_for",
