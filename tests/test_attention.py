@@ -917,6 +917,12 @@ def test_auto_orders_float32_inputs_on_gpus(
     fwd, other = _pallas_gpu.heuristic(wide)[0], _pallas_gpu.heuristic(biased)[0]
     assert (fwd.q_blocksize, fwd.kv_blocksize, fwd.num_warps, fwd.num_stages) == (128, 64, 8, 2)
     assert (other.q_blocksize, other.kv_blocksize, other.num_stages) == (64, 32, 2)
+    # its backward takes Triton's split blocks, the bias's float32 tiles leaving them 1 stage
+    plain, other = _pallas_gpu.heuristic(wide)[1], _pallas_gpu.heuristic(biased)[1]
+    assert (plain.q_blocksize, plain.kv_blocksize, plain.num_stages, plain.variant) == (
+        32, 128, 2, _pallas_gpu.SPLIT_DKDV,
+    )  # fmt: skip
+    assert (other.kv_blocksize, other.num_stages, other.variant) == (128, 1, _pallas_gpu.SPLIT_DKDV)
 
 
 @pytest.fixture

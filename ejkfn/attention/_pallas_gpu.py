@@ -1062,7 +1062,14 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
         if shape.spec.has_bias or shape.spec.has_mask:
             fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
-        bp = BwdParams(q_blocksize=32, kv_blocksize=32, num_warps=4, num_stages=1)
+        # Triton's split backward (dV and dK in programs of their own, 128 keys kept, 32 queries
+        # streamed, 8 warps, 2 stages) ran forward+backward 1.35-1.98x the 32 x 32 blocks on
+        # 4 warps and 1 stage before at 2x4096x8x256, causal and not, plain and with a soft cap,
+        # segment ids or dropout; 64 keys kept 0.87-0.95x those
+        # (results/features_NVIDIA_H200_20261201-051036.json). A float32 bias leaves it 1 stage.
+        bp = BwdParams(
+            q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
+        )
     if shape.dtype == "float32":
         # FMA products keep their operands in registers, and the blocks above spill. The backward
         # takes the blocks of Triton's that ran 1.07-2.76x its spilling ones; on 8 warps they ran
