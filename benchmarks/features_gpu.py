@@ -22,6 +22,12 @@ shape, mask and feature this
 ``--only`` keeps the rows of those implementations (``platform/variant`` also keeps its
 ``--blocks`` rows): each row left out saves its compiles, minutes a program in float32.
 
+``--profile`` runs each program twice, neither checked nor timed, for ``ncu`` wrapped around the
+script (each kernel's time alone; ``results/ncu_kernels_d256_NVIDIA_H200_20261201.md``)::
+
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
+        --metrics gpu__time_duration.sum --csv python3 benchmarks/features_gpu.py --profile ...
+
 ``--dtype`` sets q, k, v's dtype (and a ``bias``'s); backends that refuse it (cuDNN and Mosaic in
 float32) print why and are not timed.
 """
@@ -313,6 +319,32 @@ def measure(
     return rows
 
 
+def profile(
+    case: Case,
+    feature: str,
+    passes: list[str],
+    data: tuple[jax.Array, ...],
+    blocks: tuple[str, ...] = (),
+    dtype: Any = jnp.bfloat16,
+    only: frozenset[str] = frozenset(),
+) -> None:
+    """Each implementation's program twice after its compiling call, unchecked and untimed, for a
+    profiler wrapped around this process (``ncu``, with ``XLA_PYTHON_CLIENT_PREALLOCATE=false``:
+    its replays otherwise save and restore JAX's whole memory pool each kernel). Each one's name
+    goes to stdout before its two calls, to match the profiler's kernels in launch order."""
+    fns = impls(case, feature, blocks, dtype, only)
+    arrays = feature_arrays(case, feature, dtype=dtype)
+    for backward in [p == "bwd" for p in passes]:
+        args = data[: 4 if backward else 3]
+        for name, fn in fns.items():
+            program = jitted(fn, arrays, backward)
+            jax.block_until_ready(program(*args))
+            label = "fwd+bwd" if backward else "fwd"
+            print(f"profile: {case.name} {feature} {label} {name}", flush=True)
+            for _ in range(2):
+                jax.block_until_ready(program(*args))
+
+
 TABLE_HEADER = (
     f"| case | feature | pass | impl | ms | TFLOP/s | vs fastest | error |\n|{'---|' * 8}"
 )
@@ -351,6 +383,11 @@ def main() -> int:
     parser.add_argument(
         "--only", default="", help="rows to keep, comma-separated (auto, PLATFORM/VARIANT, ...)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each program twice for a profiler (ncu) instead of checking and timing",
+    )
     args = parser.parse_args()
     features = args.features.split(",")
     for feature in features:
@@ -388,6 +425,9 @@ def main() -> int:
             case = Case(b, s, h, kvh, d, causal)
             sets = [inputs(case, seed, dtype) for seed in (0, 1)]
             for feature in features:
+                if args.profile:
+                    profile(case, feature, passes, sets[0], blocks, dtype, only)
+                    continue
                 if args.seconds and time.time() - t0 > args.seconds:
                     print(f"{case.name} {feature} not run: past --seconds {args.seconds:.0f}")
                     continue

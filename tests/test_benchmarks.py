@@ -829,6 +829,19 @@ def test_features_benchmark_starts_no_case_past_its_seconds(tmp_path):
     assert _saved(tmp_path, "features_*.json")["rows"] == []
 
 
+def test_features_profile_names_each_program_before_its_calls(tmp_path):
+    """``--profile`` runs each program (each pass, each feature) for a profiler, checking and
+    timing nothing: no rows are saved."""
+    out = _run("features_gpu.py", "--shapes", "1x128x2x64", "--features", "none,soft_cap", "--passes", "fwd,bwd", "--profile", "--out", str(tmp_path))  # fmt: skip
+    named = [line for line in out.splitlines() if line.startswith("profile: ")]
+    assert named == [
+        f"profile: 1x128x2x64 causal {feature} {label} auto"
+        for feature in ("none", "soft_cap")
+        for label in ("fwd", "fwd+bwd")
+    ]
+    assert _saved(tmp_path, "features_*.json")["rows"] == []
+
+
 def test_blocks_on_the_command_line_take_a_variant_and_the_dq_kernels_stages():
     (attention,) = _benchmark_modules("attention")
     parse = attention.parse_params
