@@ -1057,8 +1057,8 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # window, a bias, dropout or segment ids (results/features_NVIDIA_H200_20261201-023441.json,
         # -023919.json); with 3 stages they do not fit shared memory. With a bias they ran 1.26x
         # on 2 stages, which fit a 16-bit bias only; the fit counts a float32 one (and a mask's
-        # tiles overflow its limit), so with either they would run on 1 stage, not timed: those
-        # keep the blocks before.
+        # tiles overflow its limit), so with either they would run on 1 stage: 0.70-0.98x the
+        # blocks before there, which those keep (-055237.json).
         fp = FwdParams(q_blocksize=128, kv_blocksize=64, num_warps=8, num_stages=2)
         if shape.spec.has_bias or shape.spec.has_mask:
             fp = FwdParams(q_blocksize=64, kv_blocksize=32, num_warps=4, num_stages=2)
