@@ -23,7 +23,7 @@ shape, mask and feature this
 ``--blocks`` rows): each row left out saves its compiles, minutes a program in float32.
 
 ``--profile`` runs each program twice, neither checked nor timed, for ``ncu`` wrapped around the
-script (each kernel's time alone; ``results/ncu_kernels_d256_NVIDIA_H200_20261201.md``)::
+script to time each kernel alone::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \\
         --metrics gpu__time_duration.sum --csv python3 benchmarks/features_gpu.py --profile ...

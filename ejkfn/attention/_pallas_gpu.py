@@ -1066,7 +1066,9 @@ def heuristic(shape: AttentionShape) -> tuple[FwdParams, BwdParams]:
         # streamed, 8 warps, 2 stages) ran forward+backward 1.35-1.98x the 32 x 32 blocks on
         # 4 warps and 1 stage before at 2x4096x8x256, causal and not, plain and with a soft cap,
         # segment ids or dropout; 64 keys kept 0.87-0.95x those
-        # (results/features_NVIDIA_H200_20261201-051036.json). A float32 bias leaves it 1 stage.
+        # (results/features_NVIDIA_H200_20261201-051036.json). With a bias (its float32 tiles
+        # leave it 1 stage), a mask or a window 1.19-2.11x; at 1x8192x16(8 kv)x256 and
+        # 4x2048x16x256 1.72-2.00x (-051714.json, -052605.json).
         bp = BwdParams(
             q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
         )
