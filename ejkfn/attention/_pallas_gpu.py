@@ -1121,9 +1121,7 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bk in (64, 128)
         for s in (2, 3, 4)
     ]
-    if (
-        padded_head_dim(shape.head_dim) > 128
-    ):  # Triton's fastest head-dim-256 backward (untimed here)
+    if padded_head_dim(shape.head_dim) > 128:  # the split, its heuristic's backward there
         bwds += [
             BwdParams(
                 q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
