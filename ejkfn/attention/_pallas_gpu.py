@@ -1121,12 +1121,6 @@ def candidates(shape: AttentionShape) -> list[tuple[FwdParams, BwdParams]]:
         for bk in (64, 128)
         for s in (2, 3, 4)
     ]
-    if padded_head_dim(shape.head_dim) > 128:  # the split, its heuristic's backward there
-        bwds += [
-            BwdParams(
-                q_blocksize=32, kv_blocksize=128, num_warps=8, num_stages=2, variant=SPLIT_DKDV
-            )
-        ]
     if shape.dtype == "float32":
         fwds += FLOAT32_FWD_CANDIDATES
     heur = heuristic(shape)

@@ -10,10 +10,10 @@ With ``BwdParams(variant="mirrored")`` the dQ kernel's blocks are the dK/dV kern
 (:func:`._backend.dq_launch`): both keep ``kv_blocksize`` rows and stream ``q_blocksize``; with
 ``"mirrored_half"`` the dQ kernel keeps half as many rows, with ``"mirrored_wide"`` it streams twice
 as many keys on twice the warps; with ``"tall_dq"`` the dQ kernel keeps twice ``q_blocksize`` rows
-on twice the warps and streams ``kv_blocksize`` keys. With ``"split_dkdv"`` (this backend's own)
-two neighbouring programs share each key block, one accumulating dV and one dK, each recomputing
-the scores, and the dQ kernel is mirrored: at head dim 256 one float32 accumulator a program is what
-lets a wgmma block fit the registers.
+on twice the warps and streams ``kv_blocksize`` keys. With ``"split_dkdv"`` two neighbouring
+programs share each key block, one accumulating dV and one dK, each recomputing the scores, and
+the dQ kernel is mirrored: at head dim 256 one float32 accumulator a program is what lets a wgmma
+block fit the registers.
 
 Tensors stay in their ``[B, S, H, D]`` layout (strides go to the kernels); ragged sequence lengths and
 head dims that are not powers of two are handled by masked loads and stores. Every feature of
