@@ -41,6 +41,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -450,6 +451,21 @@ def power_and_clock(
         "sm_mhz": statistics.median(m for _, m in samples),
         "samples": len(samples),
     }
+
+
+# Lowering for a GPU needs one to describe, not one to run on.
+HOPPER = jax.sharding.AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+)
+
+
+def lower_for_hopper(fn: Callable[..., Any], *args: Any) -> Any:
+    """``jax.jit(fn)`` lowered for an abstract Hopper GPU (``args`` may be abstract), on any
+    machine: the kernels' IR without a GPU."""
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=HOPPER)
+    with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 def load_module(path: str | Path, name: str) -> types.ModuleType:

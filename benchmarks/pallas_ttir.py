@@ -18,18 +18,16 @@ import argparse
 import hashlib
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import MASKS, Case, parse_params, parse_shapes
+from attention import MASKS, Case, lower_for_hopper, parse_params, parse_shapes
 from features_gpu import FEATURES, FLOAT32_BIAS, case_spec, feature_arrays
 from jax._src.lib.mlir import ir
 from jax._src.pallas.triton.lowering import _new_ir_context
@@ -37,8 +35,6 @@ from jax._src.pallas.triton.lowering import _new_ir_context
 from ejkfn import BwdParams, FwdParams
 from ejkfn.attention import AttentionShape, _pallas_gpu
 
-# Lowering for a GPU needs one to describe, not one to run on.
-HOPPER = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 # A Triton kernel in the lowered module: its IR (MLIR bytecode, escaped) and its name.
 _KERNEL = re.compile(r'ir = "(.*?)", name = "([^"]*)"')
 _ESCAPED = {"\\": 0x5C, '"': 0x22, "n": 0x0A, "t": 0x09}
@@ -89,12 +85,8 @@ def lowered(case: Case, feature: str, fp: Any, bp: Any) -> dict[str, str]:
         return _pallas_gpu.bwd(q, k, v, *extra, o, lse, do, params=bp, **kw)
 
     out = {}
-    mesh = AbstractMesh((1,), ("x",), abstract_device=HOPPER)
-    with use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        for fn, args in ((fwd, (q, kv, kv, *extra)), (bwd, (q, kv, kv, q, lse, q, *extra))):
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            out |= kernels(text)
+    for fn, args in ((fwd, (q, kv, kv, *extra)), (bwd, (q, kv, kv, q, lse, q, *extra))):
+        out |= kernels(lower_for_hopper(fn, *args).as_text())
     return out
 
 

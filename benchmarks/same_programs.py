@@ -21,7 +21,6 @@ import difflib
 import functools
 import re
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -32,18 +31,16 @@ import jax.experimental.mosaic.gpu as mosaic_gpu
 import jax.numpy as jnp
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
-from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attention import MASKS, load_module, parse_shapes
+from attention import MASKS, load_module, lower_for_hopper, parse_shapes
 
 from ejkfn.attention import _pallas_mosaic, _pallas_mosaic_bwd
 from ejkfn.attention._backend import AttentionShape
 from ejkfn.attention._spec import AttentionSpec
 
-HOPPER = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 # Small shapes that still take every path: GQA and not, both fused kinds (head dims 64 and 128),
 # several tiles a CTA. Tile orders and grids that switch at long sequences need --shapes.
 SHAPES = "2x1024x4x128,2x1024x4x128x2,2x1024x4x64,2x1024x4x64x2"
@@ -82,13 +79,10 @@ def _kernel_text(call: Any) -> str:
 
 def lower(fn: Callable[..., Any], *args: Any) -> list[str]:
     """The kernels of ``fn`` lowered for Hopper; a revision that refuses the shape gives its reason."""
-    mesh = AbstractMesh((1,), ("x",), abstract_device=HOPPER)
-    with use_abstract_mesh(mesh), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            return kernels(jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)))
-        except NotImplementedError as e:
-            return [f"refused: {e}"]
+    try:
+        return kernels(lower_for_hopper(fn, *args))
+    except NotImplementedError as e:
+        return [f"refused: {e}"]
 
 
 def programs(
