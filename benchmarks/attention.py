@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -500,6 +501,21 @@ def save_rows(
     return path
 
 
+PEER_DISTRIBUTIONS = ("jax-triton", "tokamax", "ejkernel")
+
+
+def peer_versions() -> dict[str, str | None]:
+    """The versions of jax-triton (our Triton kernels' launcher) and of the peer libraries timed
+    beside ours; None where one is not installed (``--peers`` adds its folder to the path first)."""
+    found: dict[str, str | None] = {}
+    for dist in PEER_DISTRIBUTIONS:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
 def device_info() -> dict[str, Any]:
     dev = jax.devices()[0]
     info: dict[str, Any] = {
@@ -507,7 +523,7 @@ def device_info() -> dict[str, Any]:
         "platform": dev.platform,
         "platform_version": str(getattr(dev.client, "platform_version", "")),
         "host": host_platform.node(),
-        "versions": dict(ejkfn.software_versions()),
+        "versions": {**ejkfn.software_versions(), **peer_versions()},
     }
     try:
         smi = subprocess.run(

@@ -4,6 +4,7 @@ next run on the lent GPU."""
 
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -54,6 +55,9 @@ def test_attention_benchmark_checks_then_times(tmp_path):
     assert saved["timing"] == dict(
         calls=2, rounds=2, min_batch_ms=20.0, settle_ms=1.0, order_seed=5
     )
+    versions = saved["device"]["versions"]  # the launcher's and the peers' too, None where absent
+    assert versions["jax-triton"] == importlib.metadata.version("jax-triton")
+    assert versions["jax"] == jax.__version__ and "tokamax" in versions and "ejkernel" in versions
     results = saved["results"]
     timed = [r for r in results if "fwd_bwd_ms" in r]
     assert {r["impl"] for r in timed} >= {"jax.nn xla", "ejkfn auto"}
