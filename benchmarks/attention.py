@@ -563,21 +563,31 @@ COLUMNS = [
     ("ejkfn `cudnn`", "ejkfn cudnn/cudnn", False),
     ("`auto`", "ejkfn auto", True),
     ("JAX Pallas `mha`", "jax pallas-triton mha", False),
+    ("XLA", "jax.nn xla", False),
+    ("ejkfn XLA dense", "ejkfn xla/dense", False),
+    ("ejkfn XLA chunked", "ejkfn xla/chunked", False),
+    ("tokamax Triton", "tokamax triton", False),
+    ("ejkernel Triton", "ejkernel triton", False),
 ]
 
 
 def platform_table(results: list[dict[str, Any]]) -> str:
     """The README's table: forward / forward+backward TFLOP/s of each column, with the ratio to cuDNN
-    in brackets where the goals compare it; ``-`` where a column did not run."""
+    in brackets where the goals compare it; ``wrong`` where its check failed, ``-`` where it did not
+    run."""
     lines = [
         "| B x S x H x D | " + " | ".join(header for header, _, _ in COLUMNS) + " |",
         "|---" * (len(COLUMNS) + 1) + "|",
     ]
+    checked = {(r["case"], r["impl"]): r for r in results}  # timed or not (a failed check)
     for case, impls in timed_by_case(results).items():
         cudnn = impls.get("jax.nn cudnn", {})
         cells = [re.sub(r"/(\d+)kvx", r"(\1 kv)x", case)]  # 2x8192x32/8kvx128: 2x8192x32(8 kv)x128
         for _, name, with_ratio in COLUMNS:
-            r = impls.get(name, {})
+            r = checked.get((case, name), {})
+            if r.get("correct") is False:
+                cells.append("wrong")
+                continue
             if not r.get("fwd_tflops"):
                 cells.append("-")
                 continue

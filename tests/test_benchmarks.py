@@ -339,13 +339,17 @@ def test_platform_table_shows_ratios_to_cudnn_where_the_goals_compare():
 
     table = platform_table(
         [row("jax.nn cudnn", 500.0, 400.0), row("ejkfn pallas/mosaic", 550.0, 404.0),
-         row("ejkfn triton/triton", 450.4, 380.6), {"case": row("", 0, 0)["case"], "impl": "ejkfn auto", "error": "boom"}]
+         row("ejkfn triton/triton", 450.4, 380.6), {"case": row("", 0, 0)["case"], "impl": "ejkfn auto", "error": "boom"},
+         {"case": row("", 0, 0)["case"], "impl": "ejkernel triton", "correct": False}, row("jax.nn xla", 60.2, 70.0)]
     )  # fmt: skip
     header, rule, line = table.splitlines()
+    header_cells = [c.strip() for c in header.strip("|").split("|")]
     cells = [c.strip() for c in line.strip("|").split("|")]
-    assert len(cells) == len(header.strip("|").split("|")) == rule.count("---") == 9
+    assert len(cells) == len(header_cells) == rule.count("---") == 14
     assert cells[:5] == ["2x8192x32(8 kv)x128 causal", "500 / 400", "550 (1.10) / 404 (1.01)", "-", "450 / 381"]  # fmt: skip
     assert cells[7] == "-"  # auto failed: no reading
+    assert cells[header_cells.index("XLA")] == "60 / 70"
+    assert cells[header_cells.index("ejkernel Triton")] == "wrong"  # its check failed: no timing
 
 
 def test_goals_count_readings_with_the_head_dims_floor():
