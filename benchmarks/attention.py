@@ -501,14 +501,14 @@ def save_rows(
     return path
 
 
-PEER_DISTRIBUTIONS = ("jax-triton", "tokamax", "ejkernel")
+LAUNCHER_AND_PEERS = ("jax-triton", "tokamax", "ejkernel")
 
 
-def peer_versions() -> dict[str, str | None]:
+def launcher_and_peer_versions() -> dict[str, str | None]:
     """The versions of jax-triton (our Triton kernels' launcher) and of the peer libraries timed
     beside ours; None where one is not installed (``--peers`` adds its folder to the path first)."""
     found: dict[str, str | None] = {}
-    for dist in PEER_DISTRIBUTIONS:
+    for dist in LAUNCHER_AND_PEERS:
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -523,7 +523,7 @@ def device_info() -> dict[str, Any]:
         "platform": dev.platform,
         "platform_version": str(getattr(dev.client, "platform_version", "")),
         "host": host_platform.node(),
-        "versions": {**ejkfn.software_versions(), **peer_versions()},
+        "versions": {**ejkfn.software_versions(), **launcher_and_peer_versions()},
     }
     try:
         smi = subprocess.run(
