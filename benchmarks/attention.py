@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import importlib.util
 import itertools
 import json
@@ -52,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ejkfn
+from ejkfn._platform import _version as installed_version
 from ejkfn.attention import (
     AttentionConfig,
     AttentionShape,
@@ -507,13 +507,7 @@ LAUNCHER_AND_PEERS = ("jax-triton", "tokamax", "ejkernel")
 def launcher_and_peer_versions() -> dict[str, str | None]:
     """The versions of jax-triton (our Triton kernels' launcher) and of the peer libraries timed
     beside ours; None where one is not installed (``--peers`` adds its folder to the path first)."""
-    found: dict[str, str | None] = {}
-    for dist in LAUNCHER_AND_PEERS:
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = None
-    return found
+    return {dist: installed_version(dist) for dist in LAUNCHER_AND_PEERS}
 
 
 def device_info() -> dict[str, Any]:
