@@ -19,7 +19,8 @@ ratio at every longer length beside its ratio at 16k (the long-context goal).
 ``--other-bwd`` times other revisions of ``_pallas_mosaic_bwd.py`` (``git show
 REV:ejkfn/attention/_pallas_mosaic_bwd.py > OLD.py``, or an edited copy) beside this tree's, each
 behind this tree's forward: an A/B of backward edits in one run, where separate runs differ by more
-than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward.
+than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward (behind this tree's heuristic
+backward where the run times forward+backward).
 
 ``--cpu-smoke`` runs tiny shapes (one unless ``--shapes``) in Mosaic GPU's interpreter (no cuDNN,
 no timing), to check the script without a GPU.
@@ -209,13 +210,15 @@ def implementations(
         balanced: bool = True,
         module: ModuleType = _pallas_mosaic_bwd,
         split_tail: bool = True,
+        fwd_module: ModuleType = _pallas_mosaic,
         **options: Any,
     ):
-        """The Mosaic forward and backward called directly, with the kernels' private options
-        (``along_sequence``: the backward's tile orders; the forward keeps its own)."""
+        """The Mosaic forward (of ``fwd_module``) and backward (of ``module``) called directly,
+        with the kernels' private options (``along_sequence``: the backward's tile orders; the
+        forward keeps its own)."""
 
         def both(q, k, v, do):
-            out, lse = _pallas_mosaic._forward(
+            out, lse = fwd_module._forward(
                 q,
                 k,
                 v,
@@ -283,6 +286,9 @@ def implementations(
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
                 )
+    if _pallas_mosaic_bwd.supports(case.dim, heuristic):  # other forwards, the heuristic's backward
+        for other, module in (other_fwds or {}).items():
+            impls[f"mosaic, {other} + heuristic backward"] = direct(heuristic, fwd_module=module)
     if whole_tail and _pallas_mosaic_bwd.supports(case.dim, heuristic):
         impls["mosaic, last round whole + heuristic backward"] = direct(heuristic, split_tail=False)
     if unbalanced and _pallas_mosaic_bwd.supports(case.dim, heuristic):
