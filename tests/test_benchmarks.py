@@ -382,6 +382,35 @@ def test_goals_count_readings_with_the_head_dims_floor():
     assert "| 2x8192x16x128 | 1.01 (pallas/mosaic) | 0.99 (pallas/mosaic) |" in summary(results)
 
 
+def test_paired_ratio_compares_each_round_with_the_same_round():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from attention import goals, paired_ratio
+
+    def row(impl, fwd_rounds, both_rounds):
+        # TFLOP/s from the median round, as the benchmark saves them (1000 / ms here)
+        return dict(
+            case="2x8192x16x128", impl=impl,
+            fwd_tflops=1e3 / sorted(fwd_rounds)[1], fwd_rounds_ms=fwd_rounds,
+            fwd_bwd_tflops=1e3 / sorted(both_rounds)[1], fwd_bwd_rounds_ms=both_rounds,
+        )  # fmt: skip
+
+    # a slow middle round for both: the medians read 2.2 against 2.35 (0.936x), the rounds'
+    # ratios 2.0 / 1.9, 3.0 / 2.85 (both 1.053) and 2.2 / 2.35
+    cudnn = row("jax.nn cudnn", [2.0, 3.0, 2.2], [2.0, 2.0, 2.0])
+    mosaic = row("ejkfn pallas/mosaic", [1.9, 2.85, 2.35], [2.0, 2.0, 2.0])
+    assert paired_ratio(mosaic, cudnn, "fwd") == pytest.approx(2.0 / 1.9)
+    assert paired_ratio(mosaic, cudnn, "fwd_bwd") == pytest.approx(1.0)
+    assert paired_ratio(mosaic, {}, "fwd") is None  # cuDNN did not run
+    assert paired_ratio(mosaic, {"fwd_rounds_ms": [1.0]}, "fwd") is None  # rounds not paired
+    lines = {line.split(" | ")[0].strip("| "): line for line in goals([cudnn, mosaic]).splitlines()}
+    assert lines["forward >= 1.0x cuDNN (0.9x at head dim <= 64)"].endswith(
+        "| 0 of 1 | 0.936 | 2x8192x16x128: 0.936 |"
+    )
+    assert lines["forward >= 1.0x cuDNN, median of the rounds' ratios (0.9x at head dim <= 64)"].endswith(
+        "| 1 of 1 | 1.053 |  |"
+    )  # fmt: skip
+
+
 def test_long_context_compares_each_length_with_16k():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from mosaic_variants_gpu import long_context
