@@ -23,12 +23,15 @@ than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s for
 backward where the run times forward+backward).
 
 ``--cpu-smoke`` runs tiny shapes (one unless ``--shapes``) in Mosaic GPU's interpreter (no cuDNN,
-no timing), to check the script without a GPU.
+no timing), to check the script without a GPU. ``--lower-only`` lowers each implementation instead
+of running it, and saves a hash of each lowered program: variants whose options took effect lower
+to different programs (seconds, where the interpreter takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -273,16 +276,17 @@ def implementations(
         for other, module in (others or {}).items():
             impls[f"mosaic + {name}, {other}"] = direct(bp, module=module)
     for (name, bp), band in itertools.product({"split": split, "fused": fused}.items(), dkdv_bands):
-        # the dK/dV tiles in bands of (batch, kv head) pairs
+        # the dK/dV tiles in bands of (batch, kv head) pairs, one CTA a tile (the dQ kernel on
+        # its own default grid)
         if bp and _pallas_mosaic_bwd.supports(case.dim, bp) and pairs % band == 0:
             label = "all" if band == pairs else band
+            _, dq_persistent = _pallas_mosaic_bwd.backward_persistent(
+                case.causal, case.dim, name == "fused", case.heads // case.kv_heads
+            )
             impls[f"mosaic + {name}, dK/dV tiles in bands of {label} kv heads"] = direct(
-                bp, dkdv_band=band
+                bp, bwd_persistent=(False, dq_persistent), dkdv_band=band
             )
             if persistent_dkdv:  # the band's tiles dealt to resident CTAs, rounds alternating
-                _, dq_persistent = _pallas_mosaic_bwd.backward_persistent(
-                    case.causal, case.dim, False, case.heads // case.kv_heads
-                )
                 impls[f"mosaic + {name}, dK/dV persistent in bands of {label} kv heads"] = direct(
                     bp, bwd_persistent=(True, dq_persistent), dkdv_band=band
                 )
@@ -336,12 +340,34 @@ def selected_implementations(
 BACKWARD_PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}
 
 
+def lowered_programs(
+    case: Case, backward: bool, impls: dict[str, Any], args: tuple[Any, ...]
+) -> list[dict[str, Any]]:
+    """One row per implementation: a hash of its lowered program (StableHLO without locations), or
+    the error lowering it raised."""
+    pass_ = "fwd+bwd" if backward else "fwd"
+    rows = []
+    for name, fn in impls.items():
+        row = dict(case=case.name, pass_=pass_, impl=name)
+        try:
+            text = fn.lower(*args).as_text(debug_info=False)
+            row["program"] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        except Exception as exc:  # report and go on, as a run does
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+        rows.append(row)
+    return rows
+
+
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
-    drifts of the machine's speed fall on all alike); medians over the rounds."""
+    drifts of the machine's speed fall on all alike); medians over the rounds. With
+    ``--lower-only``, lower each instead (:func:`lowered_programs`)."""
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in BACKWARD_PASSES[args.backward]:
         impls = selected_implementations(case, backward, args)
+        if args.lower_only:
+            rows.extend(lowered_programs(case, backward, impls, sets[0][: 4 if backward else 3]))
+            continue
         for row in check_then_time(
             case,
             backward,
@@ -496,6 +522,11 @@ def main() -> int:
         "--power", action="store_true", help="also board power and SM clock of each"
     )
     parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument(
+        "--lower-only",
+        action="store_true",
+        help="lower each implementation and save its program's hash instead of running it",
+    )
     args = parser.parse_args()
     shapes = args.shapes or ("1x256x2x128" if args.cpu_smoke else SHAPES)
     cases = [
@@ -506,10 +537,20 @@ def main() -> int:
     if args.profile:
         profile(cases, args)
         return 0
+    if args.lower_only and not args.cpu_smoke:
+        raise SystemExit("--lower-only needs --cpu-smoke (it runs nothing to time)")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:
         run_case(case, args, rows)
+    if args.lower_only:
+        for r in rows:
+            print(
+                f"| {r['case']} | {r['pass_']} | {r['impl']} | {r.get('program', r.get('error'))} |"
+            )
+        if args.out:
+            save_rows(args.out, "mosaic_variants", rows)
+        return 1 if any("error" in r for r in rows) else 0
     print(f"\n| case | pass | impl | TFLOP/s | vs cuDNN | max rel err |\n|{'---|' * 6}")
     for r in rows:
         tf = f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "-")[:60]
