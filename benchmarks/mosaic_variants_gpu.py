@@ -23,9 +23,9 @@ than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s for
 backward where the run times forward+backward).
 
 ``--cpu-smoke`` runs tiny shapes (one unless ``--shapes``) in Mosaic GPU's interpreter (no cuDNN,
-no timing), to check the script without a GPU. ``--lower-only`` lowers each implementation instead
-of running it, and saves a hash of each lowered program: variants whose options took effect lower
-to different programs (seconds, where the interpreter takes minutes).
+no timing), to check the script without a GPU. ``--trace-only`` traces each implementation instead
+of running it, and saves a hash of its jaxpr (kernel bodies included): variants whose options took
+effect trace to different programs (seconds, where the interpreter takes minutes).
 """
 
 from __future__ import annotations
@@ -340,17 +340,18 @@ def selected_implementations(
 BACKWARD_PASSES = {"yes": (False, True), "no": (False,), "only": (True,)}
 
 
-def lowered_programs(
+def traced_programs(
     case: Case, backward: bool, impls: dict[str, Any], args: tuple[Any, ...]
 ) -> list[dict[str, Any]]:
-    """One row per implementation: a hash of its lowered program (StableHLO without locations), or
-    the error lowering it raised."""
+    """One row per implementation: a hash of its traced program, or the error tracing it raised."""
     pass_ = "fwd+bwd" if backward else "fwd"
     rows = []
     for name, fn in impls.items():
         row = dict(case=case.name, pass_=pass_, impl=name)
         try:
-            text = fn.lower(*args).as_text(debug_info=False)
+            # The jaxpr, not the lowered module: in the interpreter a kernel's body runs from a
+            # host callback, outside the lowered module; the jaxpr holds it.
+            text = str(jax.make_jaxpr(fn)(*args))
             row["program"] = hashlib.sha256(text.encode()).hexdigest()[:16]
         except Exception as exc:  # report and go on, as a run does
             row["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
@@ -361,12 +362,12 @@ def lowered_programs(
 def run_case(case: Case, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     """Check every implementation against cuDNN, then time them in interleaved rounds (so that
     drifts of the machine's speed fall on all alike); medians over the rounds. With
-    ``--lower-only``, lower each instead (:func:`lowered_programs`)."""
+    ``--trace-only``, trace each instead (:func:`traced_programs`)."""
     sets = [inputs(case, seed) for seed in (0, 1)]
     for backward in BACKWARD_PASSES[args.backward]:
         impls = selected_implementations(case, backward, args)
-        if args.lower_only:
-            rows.extend(lowered_programs(case, backward, impls, sets[0][: 4 if backward else 3]))
+        if args.trace_only:
+            rows.extend(traced_programs(case, backward, impls, sets[0][: 4 if backward else 3]))
             continue
         for row in check_then_time(
             case,
@@ -523,9 +524,9 @@ def main() -> int:
     )
     parser.add_argument("--cpu-smoke", action="store_true")
     parser.add_argument(
-        "--lower-only",
+        "--trace-only",
         action="store_true",
-        help="lower each implementation and save its program's hash instead of running it",
+        help="trace each implementation and save its program's hash instead of running it",
     )
     args = parser.parse_args()
     shapes = args.shapes or ("1x256x2x128" if args.cpu_smoke else SHAPES)
@@ -537,13 +538,13 @@ def main() -> int:
     if args.profile:
         profile(cases, args)
         return 0
-    if args.lower_only and not args.cpu_smoke:
-        raise SystemExit("--lower-only needs --cpu-smoke (it runs nothing to time)")
+    if args.trace_only and not args.cpu_smoke:
+        raise SystemExit("--trace-only needs --cpu-smoke (it runs nothing to time)")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:
         run_case(case, args, rows)
-    if args.lower_only:
+    if args.trace_only:
         for r in rows:
             print(
                 f"| {r['case']} | {r['pass_']} | {r['impl']} | {r.get('program', r.get('error'))} |"
