@@ -19,8 +19,8 @@ ratio at every longer length beside its ratio at 16k (the long-context goal).
 ``--other-bwd`` times other revisions of ``_pallas_mosaic_bwd.py`` (``git show
 REV:ejkfn/attention/_pallas_mosaic_bwd.py > OLD.py``, or an edited copy) beside this tree's, each
 behind this tree's forward: an A/B of backward edits in one run, where separate runs differ by more
-than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward (behind this tree's heuristic
-backward where the run times forward+backward).
+than the edits do. ``--other-fwd`` does the same for ``_pallas_mosaic.py``'s forward (behind this
+tree's heuristic backward where the run times forward+backward).
 
 ``--cpu-smoke`` runs tiny shapes (one unless ``--shapes``) in Mosaic GPU's interpreter (no cuDNN,
 no timing), to check the script without a GPU. ``--trace-only`` traces each implementation instead

@@ -145,8 +145,8 @@ def test_mosaic_variants_backward_smoke(tmp_path):
 
 
 def test_mosaic_variants_traces_the_backwards_on_other_grids_and_bands(tmp_path):
-    # Traced, not run (the kernels' grids and bands are run in tests/test_attention_pallas.py; the
-    # tile orders' run through this script in test_mosaic_variants_backward_smoke): the Mosaic
+    # Traced, not run (the kernels' grids and bands run in tests/test_attention_pallas.py, and a
+    # direct call through this script in test_mosaic_variants_backward_smoke): the Mosaic
     # forward with the Triton-lowering backward beside the Mosaic backwards' (split and fused,
     # their dK/dV tiles in one band, one CTA a tile and persistent). At head dim 64 the split
     # backward's dK/dV kernel takes the persistent grid and the fused one (no GQA: it feeds
