@@ -604,9 +604,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def paired_ratio(row: dict[str, Any], base: dict[str, Any], pass_: str) -> float | None:
     """The median over rounds of ``row``'s speed against ``base``'s in the same round (``pass_``'s
     ``*_rounds_ms``, in round order for every implementation of a run); None without both. Each
-    round's pair shares the machine's state at that time, so the drifts that move a whole round
-    (the clock under the power cap, the neighbours) cancel, which a ratio of the two medians,
-    each over rounds, leaves in."""
+    round's pair shares the machine's state at that time. Measured on identical kernels this
+    resolves little more than a ratio of the two medians (benchmarks/NOTES.md, seventy-sixth
+    round): more rounds are what resolve close rows."""
     mine, theirs = row.get(f"{pass_}_rounds_ms"), base.get(f"{pass_}_rounds_ms")
     if not mine or not theirs or len(mine) != len(theirs):
         return None

@@ -529,6 +529,8 @@ def main() -> int:
         help="trace each implementation and save its program's hash instead of running it",
     )
     args = parser.parse_args()
+    if args.trace_only and not (args.cpu_smoke and not args.profile):
+        raise SystemExit("--trace-only needs --cpu-smoke and no --profile (it runs nothing)")
     shapes = args.shapes or ("1x256x2x128" if args.cpu_smoke else SHAPES)
     cases = [
         Case(b, s, h, kvh, d, causal)
@@ -538,8 +540,6 @@ def main() -> int:
     if args.profile:
         profile(cases, args)
         return 0
-    if args.trace_only and not args.cpu_smoke:
-        raise SystemExit("--trace-only needs --cpu-smoke (it runs nothing to time)")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:
