@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any
 
 import jax
@@ -572,8 +573,9 @@ def test_cudnn_refuses_a_bias_it_would_round(
     _cudnn._check(x["q"], x["k"], case.spec, interpret=False, bias=x["bias"])
 
 
-def test_cudnn_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forward and backward lower for "cuda" on this machine: a compile check without a GPU.
+@pytest.fixture
+def cudnn_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN attention lowers for "cuda" on this machine: a compile check without a GPU.
 
     jax checks the cuDNN version while tracing, which needs its CUDA plugin; the check is patched
     (a private jax function) so that lowering can proceed. It skips if jax moves that function.
@@ -586,6 +588,11 @@ def test_cudnn_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.skip("jax's cuDNN version check moved")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
+
+
+@pytest.mark.usefixtures("cudnn_lowering")
+def test_cudnn_lowers_for_cuda() -> None:
+    """Forward and backward lower for "cuda" on this machine."""
     case = Case(
         batch=1,
         seq_q=128,
@@ -612,6 +619,39 @@ def test_cudnn_lowers_for_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     lowered = jax.jit(both).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     assert "__cudnn$fmha" in text and "Backward" in text
+
+
+@pytest.mark.usefixtures("cudnn_lowering")
+def test_cudnn_leaves_out_its_statistics_where_nothing_differentiates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An inference call asks cuDNN's forward for the output alone (its custom call returns the
+    output and a workspace), a differentiated one for the softmax statistics too."""
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "_interpret", lambda backend: False)
+    attention = FlashAttention(platform="cudnn")
+
+    def infer(q, k, v):
+        return attention(q, k, v, causal=True)
+
+    def train(q, k, v):
+        out, pullback = jax.vjp(lambda *x: attention(*x, causal=True), q, k, v)
+        return out, pullback(out)
+
+    def forward_results(fn) -> set[int]:
+        q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+        text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"%\S+?:(\d+) = stablehlo.custom_call @__cudnn\$fmhaSoftmax\(", text)
+        return {int(n) for n in calls}
+
+    assert forward_results(infer) == {2}
+    assert forward_results(train) == {3}  # the forward, and the one its vjp reruns
+    cfg = AttentionConfig(platform="cudnn", variant="cudnn")
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    _, saved = jax.eval_shape(lambda x: attention.fwd(x, x, x, cfg=cfg, residuals=False), q)
+    with pytest.raises(ValueError, match="residuals=False"):
+        attention.bwd(saved, q, cfg=cfg)
 
 
 # --- selection and the kernel module ---------------------------------------------------------------

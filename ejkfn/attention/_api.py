@@ -849,8 +849,11 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         sliding_window: int | tuple[int, int] | None = None,
         logits_soft_cap: float | None = None,
         dropout_prob: float = 0.0,
+        residuals: bool = True,
     ) -> tuple[jax.Array, _Saved]:
-        """The output and the residuals of the backward pass, on the backend ``cfg`` names."""
+        """The output and the residuals of the backward pass, on the backend ``cfg`` names.
+        ``residuals=False`` (calls that nothing differentiates) runs the backend's forward
+        without its log-sum-exp where it has one (cuDNN's); the residuals are then empty."""
         if not isinstance(cfg, AttentionConfig):
             raise TypeError(f"cfg must be an AttentionConfig; got {type(cfg).__name__}: {cfg!r}")
         options = _options(
@@ -860,12 +863,20 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
         backend = _resolve(cfg, spec, AttentionShape.of(q, k, spec))
         interpret = _interpret(backend)
         arrays = (q, k, v, bias, attention_mask, q_segment_ids, kv_segment_ids, dropout_seed)
+        if not residuals and backend.infer is not None:
+            out = backend.infer(*arrays, spec=spec, params=cfg.fwd, interpret=interpret)
+            return out, _Saved((), spec, backend.platform, backend.variant, interpret)
         out, lse = backend.fwd(*arrays, spec=spec, params=cfg.fwd, interpret=interpret)
         saved = _Saved((*arrays, out, lse), spec, backend.platform, backend.variant, interpret)
         return out, saved
 
     def bwd(self, saved: _Saved, dout: jax.Array, *, cfg: AttentionConfig) -> dict[int, Any]:
         """Gradients of ``q``, ``k``, ``v`` and ``bias`` (positions 0 to 3)."""
+        if not saved.arrays:
+            raise ValueError(
+                "these residuals come from fwd(..., residuals=False), which keeps none; call fwd "
+                "with residuals=True for a backward"
+            )
         backend = backend_for(saved.platform, saved.variant)
         dq, dk, dv, dbias = backend.bwd(
             *saved.arrays, dout, spec=saved.spec, params=cfg.bwd, interpret=saved.interpret
@@ -874,7 +885,7 @@ class FlashAttention(Kernel[AttentionConfig, jax.Array]):
 
     def inference(self, *args: Any, cfg: AttentionConfig, **kwargs: Any) -> jax.Array:
         """The output of a call that nothing differentiates: on ``cfg.inference`` where set."""
-        return self.fwd(*args, cfg=cfg.inference or cfg, **kwargs)[0]
+        return self.fwd(*args, cfg=cfg.inference or cfg, residuals=False, **kwargs)[0]
 
     def run(self, *args: Any, cfg: AttentionConfig, **kwargs: Any) -> jax.Array:
         return self.inference(*args, cfg=cfg, **kwargs)

@@ -342,6 +342,9 @@ class AttentionBackend:
             ``"mosaic"``, ``"tpu"``, ...).
         devices: device kinds where it runs natively (elsewhere only in an interpreter, for tests).
         fwd, bwd: the contract's functions; both take ``spec=``, ``params=`` and ``interpret=``.
+        infer: ``fwd``'s output alone, for calls that nothing differentiates, where leaving out the
+            log-sum-exp makes the forward cheaper (cuDNN's forward without its softmax statistics
+            is another cuDNN graph); None: ``fwd``'s output is used.
         unsupported: feature names (``AttentionSpec.features``) it refuses.
         bwd_unsupported: ``(BwdParams.variant, feature names)`` pairs: what a backward variant
             refuses besides ``unsupported`` (the Mosaic forward takes a window, its own backward
@@ -361,6 +364,7 @@ class AttentionBackend:
     devices: tuple[str, ...]
     fwd: Callable[..., tuple[jax.Array, jax.Array]]
     bwd: Callable[..., tuple[Any, Any, Any, Any]]
+    infer: Callable[..., jax.Array] | None = None
     unsupported: frozenset[str] = frozenset()
     bwd_unsupported: tuple[tuple[str, frozenset[str]], ...] = ()
     heuristic: Callable[[AttentionShape], tuple[FwdParams, BwdParams]]

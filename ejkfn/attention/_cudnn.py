@@ -10,7 +10,8 @@ diagonal without ``causal``. Head dims that are not multiples of 8 are zero-padd
 changes neither scores nor outputs).
 
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
-only as precise as bfloat16/float16). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
+only as precise as bfloat16/float16); calls that nothing differentiates run cuDNN's forward without
+them (``infer``), another cuDNN graph, 1-2% faster (benchmarks/NOTES.md). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
 the forward inside it to get cuDNN's own residuals.
 """
 
@@ -113,12 +114,14 @@ def _attention(
     mask: jax.Array | None,
     *,
     spec: AttentionSpec,
-) -> tuple[jax.Array, jax.Array]:
-    """``(out, lse)`` through cuDNN; rows that see no key are zeroed as the spec asks."""
+    residual: bool = True,
+) -> tuple[jax.Array, jax.Array | None]:
+    """``(out, lse)`` through cuDNN, or ``(out, None)`` without ``residual`` (cuDNN then leaves
+    its softmax statistics out); rows that see no key are zeroed as the spec asks."""
     dim = q.shape[-1]
     q, k, v = _pad_head_dim(q, k, v)
     causal, left = _causal_window(spec)
-    out, stats = jax.nn.dot_product_attention(
+    result = jax.nn.dot_product_attention(
         q,
         k,
         v,
@@ -128,15 +131,16 @@ def _attention(
         is_causal=causal,
         local_window_size=None if left is None else (left, 0),
         implementation="cudnn",
-        return_residual=True,
+        return_residual=residual,
     )
+    out, stats = result if residual else (result, None)
     out = out[..., :dim]
-    lse = jnp.swapaxes(stats, 1, 2).astype(jnp.float32)  # [B, Sq, H] -> [B, H, Sq]
+    lse = None if stats is None else jnp.swapaxes(stats, 1, 2).astype(jnp.float32)  # [B, H, Sq]
     if mask is not None:
         # A masked row is a large negative bias to cuDNN, not an empty row: zero it here.
         seen = visible(spec, q.shape[1], k.shape[1], mask).any(-1)  # [B|1, H|1, Sq]
         out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None], out, 0.0).astype(out.dtype)
-        lse = jnp.where(seen, lse, -jnp.inf)
+        lse = None if lse is None else jnp.where(seen, lse, -jnp.inf)
     return out, lse
 
 
@@ -157,6 +161,25 @@ def _fwd(
     del q_seg, kv_seg, seed, params
     _check(q, k, spec, interpret, bias)
     return _attention(q, k, v, bias, mask, spec=spec)
+
+
+def _infer(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array | None,
+    mask: jax.Array | None,
+    q_seg: jax.Array | None,
+    kv_seg: jax.Array | None,
+    seed: jax.Array | None,
+    *,
+    spec: AttentionSpec,
+    params: FwdParams,
+    interpret: bool = False,
+) -> jax.Array:
+    del q_seg, kv_seg, seed, params
+    _check(q, k, spec, interpret, bias)
+    return _attention(q, k, v, bias, mask, spec=spec, residual=False)[0]
 
 
 def _bwd(
@@ -248,6 +271,7 @@ CUDNN = register_backend(
         devices=("gpu",),
         fwd=_fwd,
         bwd=_bwd,
+        infer=_infer,
         unsupported=frozenset({"logits_soft_cap", "dropout", "segment_ids"}),
         heuristic=_heuristic,
         candidates=_candidates,
