@@ -622,31 +622,51 @@ def test_cudnn_lowers_for_cuda() -> None:
 
 
 @pytest.mark.usefixtures("cudnn_lowering")
-def test_cudnn_leaves_out_its_statistics_where_nothing_differentiates(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("dim", "causal", "window", "statistics"),
+    [
+        (64, True, None, False),
+        (128, False, None, False),
+        (128, True, None, True),
+        (128, False, (32, 0), True),
+        (96, False, None, False),
+    ],
+)
+def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
+    monkeypatch: pytest.MonkeyPatch, dim: int, causal: bool, window: Any, statistics: bool
 ) -> None:
-    """An inference call asks cuDNN's forward for the output alone (its custom call returns the
-    output and a workspace), a differentiated one for the softmax statistics too."""
+    """A call nothing differentiates asks cuDNN's forward for the output alone (its custom call
+    returns the output and a workspace) unless the statistics speed it up (causal or a window, head
+    dim over 64); a differentiated call always asks for them."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "_interpret", lambda backend: False)
     attention = FlashAttention(platform="cudnn")
+    masks = dict(causal=causal, sliding_window=window)
 
     def infer(q, k, v):
-        return attention(q, k, v, causal=True)
+        return attention(q, k, v, **masks)
 
     def train(q, k, v):
-        out, pullback = jax.vjp(lambda *x: attention(*x, causal=True), q, k, v)
+        out, pullback = jax.vjp(lambda *x: attention(*x, **masks), q, k, v)
         return out, pullback(out)
 
     def forward_results(fn) -> set[int]:
-        q = jax.ShapeDtypeStruct((1, 128, 4, 64), jnp.bfloat16)
+        q = jax.ShapeDtypeStruct((1, 128, 4, dim), jnp.bfloat16)
         text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
         calls = re.findall(r"%\S+?:(\d+) = stablehlo.custom_call @__cudnn\$fmhaSoftmax\(", text)
         return {int(n) for n in calls}
 
-    assert forward_results(infer) == {2}
+    assert forward_results(infer) == {3 if statistics else 2}
     assert forward_results(train) == {3}  # the forward, and the one its vjp reruns
+
+
+@pytest.mark.usefixtures("cudnn_lowering")
+def test_a_forward_without_residuals_refuses_a_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ejkfn.attention import _api
+
+    monkeypatch.setattr(_api, "_interpret", lambda backend: False)
+    attention = FlashAttention(platform="cudnn")
     cfg = AttentionConfig(platform="cudnn", variant="cudnn")
     q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
     _, saved = jax.eval_shape(lambda x: attention.fwd(x, x, x, cfg=cfg, residuals=False), q)

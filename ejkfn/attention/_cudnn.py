@@ -10,8 +10,9 @@ diagonal without ``causal``. Head dims that are not multiples of 8 are zero-padd
 changes neither scores nor outputs).
 
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
-only as precise as bfloat16/float16); calls that nothing differentiates run cuDNN's forward without
-them (``infer``), another cuDNN graph, 1-2% faster (benchmarks/NOTES.md). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
+only as precise as bfloat16/float16). Calls that nothing differentiates (``infer``) leave them out
+where that makes cuDNN's forward faster: it is another cuDNN graph, and asking for the statistics
+speeds up the causal forward at head dims over 64 (:func:`_statistics_speed_up`). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
 the forward inside it to get cuDNN's own residuals.
 """
 
@@ -179,7 +180,17 @@ def _infer(
 ) -> jax.Array:
     del q_seg, kv_seg, seed, params
     _check(q, k, spec, interpret, bias)
-    return _attention(q, k, v, bias, mask, spec=spec, residual=False)[0]
+    residual = _statistics_speed_up(spec, q.shape[-1])
+    return _attention(q, k, v, bias, mask, spec=spec, residual=residual)[0]
+
+
+def _statistics_speed_up(spec: AttentionSpec, head_dim: int) -> bool:
+    """Whether cuDNN's forward runs faster asked for its softmax statistics as well: causal (a
+    window is causal to cuDNN) at head dims over 64. Measured on an H200 side by side
+    (benchmarks/results/cudnn_paths_NVIDIA_H200_20261202-061915.json): with them 1.014-1.025x at
+    three causal shapes of head dim 128; without a mask 0.992-0.999x, and at head dim 64
+    0.986x and 0.992x."""
+    return (spec.causal or spec.window is not None) and head_dim > 64
 
 
 def _bwd(
