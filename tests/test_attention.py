@@ -577,8 +577,9 @@ def test_cudnn_refuses_a_bias_it_would_round(
 def cudnn_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuDNN attention lowers for "cuda" on this machine: a compile check without a GPU.
 
-    jax checks the cuDNN version while tracing, which needs its CUDA plugin; the check is patched
-    (a private jax function) so that lowering can proceed. It skips if jax moves that function.
+    jax checks the cuDNN version and the GPU's compute capability while tracing, which needs its
+    CUDA plugin; both checks are patched (private jax functions), as for a Hopper, so that lowering
+    can proceed. It skips if jax moves the version check.
     """
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fused
@@ -587,6 +588,8 @@ def cudnn_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
     if not hasattr(fused, "check_cudnn_version"):
         pytest.skip("jax's cuDNN version check moved")
     monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    if hasattr(fused, "check_compute_capability"):  # head dims over 128 need a Hopper
+        monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
     monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
 
 
@@ -630,6 +633,8 @@ def test_cudnn_lowers_for_cuda() -> None:
         (128, True, None, True),
         (128, False, (32, 0), True),
         (96, False, None, False),
+        (96, True, None, True),
+        (256, True, None, False),
     ],
 )
 def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
@@ -637,7 +642,7 @@ def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
 ) -> None:
     """A call nothing differentiates asks cuDNN's forward for the output alone (its custom call
     returns the output and a workspace) unless the statistics speed it up (causal or a window, head
-    dim over 64); a differentiated call always asks for them."""
+    dims 65 to 128); a differentiated call always asks for them."""
     from ejkfn.attention import _api
 
     monkeypatch.setattr(_api, "_interpret", lambda backend: False)

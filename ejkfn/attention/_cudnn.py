@@ -12,8 +12,9 @@ changes neither scores nor outputs).
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
 only as precise as bfloat16/float16). Calls that nothing differentiates (``infer``) leave them out
 where that makes cuDNN's forward faster: it is another cuDNN graph, and asking for the statistics
-speeds up the causal forward at head dims over 64 (:func:`_statistics_speed_up`). The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns
-the forward inside it to get cuDNN's own residuals.
+speeds up the causal forward at head dims 96 and 128 (:func:`_statistics_speed_up`). The backward
+pass is ``jax.vjp`` of the cuDNN forward: XLA reruns the forward inside it to get cuDNN's own
+residuals.
 """
 
 from __future__ import annotations
@@ -186,11 +187,11 @@ def _infer(
 
 def _statistics_speed_up(spec: AttentionSpec, head_dim: int) -> bool:
     """Whether cuDNN's forward runs faster asked for its softmax statistics as well: causal (a
-    window is causal to cuDNN) at head dims over 64. Measured on an H200 side by side
-    (benchmarks/results/cudnn_paths_NVIDIA_H200_20261202-061915.json): with them 1.014-1.025x at
-    three causal shapes of head dim 128; without a mask 0.992-0.999x, and at head dim 64
-    0.986x and 0.992x."""
-    return (spec.causal or spec.window is not None) and head_dim > 64
+    window is causal to cuDNN) at head dims over 64 and up to 128. Measured on an H200 side by side
+    (benchmarks/results/cudnn_paths_NVIDIA_H200_20261202-061915.json and -062540.json): with them
+    1.017-1.025x at five causal shapes of head dims 96 and 128; without a mask 0.991-1.004x; at
+    head dim 64 0.974-0.994x; at head dim 256 causal 0.997x."""
+    return (spec.causal or spec.window is not None) and 64 < head_dim <= 128
 
 
 def _bwd(
