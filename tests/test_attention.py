@@ -416,6 +416,22 @@ def test_matches_reference(backend: AttentionBackend, case: Case, key: jax.Array
     _check(case, x, out, grads)
 
 
+# Calls that nothing differentiates go through ``FlashAttention.inference``, which a backend may
+# serve another way (cuDNN's forward without its statistics); XLA's stand in where there is no cuDNN.
+INFERENCE_MATRIX = [p for p in MATRIX if _backend_of(p).platform in ("xla", "cudnn")]
+
+
+@pytest.mark.parametrize(("backend", "case"), INFERENCE_MATRIX)
+def test_inference_matches_reference(backend: AttentionBackend, case: Case, key: jax.Array) -> None:
+    case = _runnable(backend, case)
+    x = _inputs(case, key)
+    attention = _call(case, _cfg(backend, case))
+    names = ("q", "k", "v", "bias", "mask", "q_seg", "kv_seg", "seed")
+    out = _jit(lambda x: attention(*(x[name] for name in names)))(x)
+    _close("out", out, _reference(case, x)[0], TOL[case.dtype][0])
+    assert out.dtype == x["q"].dtype
+
+
 VMAP_CASES = [
     ("causal_gqa_bias", Case(batch=1, seq_q=24, seq_k=40, kv_heads=2, causal=True, bias="full")),
     ("segments_dropout", Case(batch=2, seq_q=16, seq_k=16, segments=True, dropout=0.3)),
