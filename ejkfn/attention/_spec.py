@@ -23,6 +23,8 @@ Backend contract (each ``_<platform>.py`` module):
   scalar array or None; out like q, lse ``[B, H, Sq]`` float32.
 ``bwd(q, k, v, bias, mask, q_seg, kv_seg, seed, out, lse, dout, *, spec, params) -> (dq, dk, dv, dbias)``
   dbias shaped like bias (summed over broadcast dimensions), None without a bias.
+``infer(q, k, v, bias, mask, q_seg, kv_seg, seed, *, spec, params) -> out`` (optional)
+  ``fwd``'s output alone, for calls that nothing differentiates, where that is cheaper (cuDNN's).
 A backend that cannot do a feature raises ``NotImplementedError`` naming it, at trace time.
 """
 
