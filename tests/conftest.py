@@ -31,3 +31,26 @@ def key(request: pytest.FixtureRequest):
     import jax
 
     return jax.random.key(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def cudnn_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN attention lowers for "cuda" on this machine: a compile check without a GPU.
+
+    jax checks the cuDNN version and the GPU's compute capability while tracing, which needs its
+    CUDA plugin; both checks are patched (private jax functions), as for a Hopper, so that lowering
+    can proceed; ejkfn takes the machine for a CUDA GPU. It skips if jax moves the version check.
+    """
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:
+        pytest.skip("jax has no cuDNN fused attention module")
+    if not hasattr(fused, "check_cudnn_version"):
+        pytest.skip("jax's cuDNN version check moved")
+    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
+    if hasattr(fused, "check_compute_capability"):  # head dims over 128 need a Hopper
+        monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
+    from ejkfn.attention import _api, _cudnn
+
+    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
+    monkeypatch.setattr(_api, "_interpret", lambda backend: False)  # cuDNN is native there

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Any
 
 import jax
@@ -34,6 +33,8 @@ from ejkfn.attention._backend import (
 )
 from ejkfn.attention._reference import reference_attention
 from ejkfn.attention._spec import AttentionSpec
+
+from ._lowering import cudnn_forward_results
 
 # The suite compiles many small programs; XLA's backend optimisations cost more compile time than
 # they save in run time here (and change no result).
@@ -589,26 +590,6 @@ def test_cudnn_refuses_a_bias_it_would_round(
     _cudnn._check(x["q"], x["k"], case.spec, interpret=False, bias=x["bias"])
 
 
-@pytest.fixture
-def cudnn_lowering(monkeypatch: pytest.MonkeyPatch) -> None:
-    """cuDNN attention lowers for "cuda" on this machine: a compile check without a GPU.
-
-    jax checks the cuDNN version and the GPU's compute capability while tracing, which needs its
-    CUDA plugin; both checks are patched (private jax functions), as for a Hopper, so that lowering
-    can proceed. It skips if jax moves the version check.
-    """
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fused
-    except ImportError:
-        pytest.skip("jax has no cuDNN fused attention module")
-    if not hasattr(fused, "check_cudnn_version"):
-        pytest.skip("jax's cuDNN version check moved")
-    monkeypatch.setattr(fused, "check_cudnn_version", lambda: 91000)
-    if hasattr(fused, "check_compute_capability"):  # head dims over 128 need a Hopper
-        monkeypatch.setattr(fused, "check_compute_capability", lambda capability: True)
-    monkeypatch.setattr(_cudnn, "_on_cuda", lambda: True)
-
-
 @pytest.mark.usefixtures("cudnn_lowering")
 def test_cudnn_lowers_for_cuda() -> None:
     """Forward and backward lower for "cuda" on this machine."""
@@ -654,14 +635,11 @@ def test_cudnn_lowers_for_cuda() -> None:
     ],
 )
 def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
-    monkeypatch: pytest.MonkeyPatch, dim: int, causal: bool, window: Any, statistics: bool
+    dim: int, causal: bool, window: Any, statistics: bool
 ) -> None:
     """A call nothing differentiates asks cuDNN's forward for the output alone (its custom call
     returns the output and a workspace) unless the statistics speed it up (causal or a window, head
     dims 65 to 128); a differentiated call always asks for them."""
-    from ejkfn.attention import _api
-
-    monkeypatch.setattr(_api, "_interpret", lambda backend: False)
     attention = FlashAttention(platform="cudnn")
     masks = dict(causal=causal, sliding_window=window)
 
@@ -672,21 +650,13 @@ def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
         out, pullback = jax.vjp(lambda *x: attention(*x, **masks), q, k, v)
         return out, pullback(out)
 
-    def forward_results(fn) -> set[int]:
-        q = jax.ShapeDtypeStruct((1, 128, 4, dim), jnp.bfloat16)
-        text = jax.jit(fn).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-        calls = re.findall(r"%\S+?:(\d+) = stablehlo.custom_call @__cudnn\$fmhaSoftmax\(", text)
-        return {int(n) for n in calls}
-
-    assert forward_results(infer) == {3 if statistics else 2}
-    assert forward_results(train) == {3}  # the forward, and the one its vjp reruns
+    q = jax.ShapeDtypeStruct((1, 128, 4, dim), jnp.bfloat16)
+    assert cudnn_forward_results(infer, q, q, q) == {3 if statistics else 2}
+    assert cudnn_forward_results(train, q, q, q) == {3}  # the forward, and the one its vjp reruns
 
 
 @pytest.mark.usefixtures("cudnn_lowering")
-def test_a_forward_without_residuals_refuses_a_backward(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ejkfn.attention import _api
-
-    monkeypatch.setattr(_api, "_interpret", lambda backend: False)
+def test_a_forward_without_residuals_refuses_a_backward() -> None:
     attention = FlashAttention(platform="cudnn")
     cfg = AttentionConfig(platform="cudnn", variant="cudnn")
     q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)

@@ -18,6 +18,7 @@ import pytest
 from ejkfn import BwdParams
 from ejkfn.attention import registered_backends
 
+from ._lowering import cudnn_forward_results
 from ._subprocess import ROOT, child_env
 
 
@@ -349,6 +350,32 @@ def test_reselect_rewrites_only_the_configs_its_tune_made(tmp_path):
     assert shipped.get("b") == hybrid
     with pytest.raises(SystemExit, match="no shipped config"):
         reselect([log("c.json", "3x8x1/1x8", 1e-3)], tmp_path / "layer")
+
+
+@pytest.mark.usefixtures("cudnn_lowering")
+@pytest.mark.parametrize(("causal", "ours"), [(False, 2), (True, 3)])
+def test_cudnn_paths_time_our_forward_with_its_residuals_beside_the_inference_path(causal, ours):
+    """The benchmark's ways to cuDNN's forward lower to the graphs it names: ``jax.nn`` plain and
+    with statistics, ours with residuals (statistics), ours where nothing differentiates (head dim
+    128: statistics causal only, where they make it faster)."""
+    [paths] = _benchmark_modules("cudnn_paths_gpu")
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    results = {name: cudnn_forward_results(fn, q, q, q) for name, fn in paths.paths(causal).items()}
+    want = {
+        "jax.nn": {2},
+        "jax.nn with statistics": {3},
+        "ejkfn cudnn": {ours},
+        paths.RESIDUALS: {3},
+    }
+    assert results == want
+
+
+def test_cudnn_paths_refuses_a_pass_it_does_not_know():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cudnn_paths_gpu.py"), "--passes", "fwd,bwd"],
+        env=child_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 2 and "--passes takes fwd and fwd+bwd" in out.stderr, out.stderr
 
 
 def test_platform_table_shows_ratios_to_cudnn_where_the_goals_compare():
