@@ -87,7 +87,7 @@ def main() -> int:
     args = parser.parse_args()
     causal_options = MASKS[args.masks]
     passes = args.passes.split(",")
-    if not passes or set(passes) - {"fwd", "fwd+bwd"}:
+    if set(passes) - {"fwd", "fwd+bwd"}:
         parser.error(f"--passes takes fwd and fwd+bwd, comma-separated; got {args.passes!r}")
     rows: list[dict[str, Any]] = []
     for b, s, h, kvh, d in parse_shapes(args.shapes):

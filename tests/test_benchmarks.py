@@ -22,8 +22,7 @@ from ._lowering import cudnn_forward_results
 from ._subprocess import ROOT, child_env
 
 
-def _run(script: str, *args: str, returncode: int = 0) -> str:
-    """Runs ``benchmarks/script`` with ``args``; its stdout."""
+def _completed(script: str, *args: str, returncode: int) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         env=child_env(),
@@ -32,7 +31,17 @@ def _run(script: str, *args: str, returncode: int = 0) -> str:
         timeout=600,
     )
     assert done.returncode == returncode, done.stdout[-2000:] + done.stderr[-2000:]
-    return done.stdout
+    return done
+
+
+def _run(script: str, *args: str, returncode: int = 0) -> str:
+    """Runs ``benchmarks/script`` with ``args``; its stdout."""
+    return _completed(script, *args, returncode=returncode).stdout
+
+
+def _refusal(script: str, *args: str) -> str:
+    """What ``benchmarks/script`` writes refusing ``args`` (argparse's exit status, 2)."""
+    return _completed(script, *args, returncode=2).stderr
 
 
 def _benchmark_modules(*names: str) -> list[types.ModuleType]:
@@ -371,11 +380,8 @@ def test_cudnn_paths_time_our_forward_with_its_residuals_beside_the_inference_pa
 
 
 def test_cudnn_paths_refuses_a_pass_it_does_not_know():
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cudnn_paths_gpu.py"), "--passes", "fwd,bwd"],
-        env=child_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert out.returncode == 2 and "--passes takes fwd and fwd+bwd" in out.stderr, out.stderr
+    refusal = _refusal("cudnn_paths_gpu.py", "--passes", "fwd,bwd")
+    assert "--passes takes fwd and fwd+bwd" in refusal, refusal
 
 
 def test_platform_table_shows_ratios_to_cudnn_where_the_goals_compare():
@@ -595,10 +601,8 @@ def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
     unlimited = jax.jit(direct(_triton, case, dtype="float32"))(*x32)
     assert windowed.dtype == np.float32 and not np.allclose(windowed, unlimited, atol=1e-3)
 
-    script = str(ROOT / "benchmarks" / "revision_ab_gpu.py")
-    argv = [sys.executable, script, "--previous", str(folder), "--window", "-4"]
-    refused = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 2 and "--window must be >= 0 keys; got -4" in refused.stderr
+    refusal = _refusal("revision_ab_gpu.py", "--previous", str(folder), "--window", "-4")
+    assert "--window must be >= 0 keys; got -4" in refusal
 
     seen = []
     with_band_bytes(lambda: seen.append(_backend.BAND_BYTES), 3 << 20)()
