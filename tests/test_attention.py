@@ -623,23 +623,24 @@ def test_cudnn_lowers_for_cuda() -> None:
 
 @pytest.mark.usefixtures("cudnn_lowering")
 @pytest.mark.parametrize(
-    ("dim", "causal", "window", "statistics"),
+    ("dim", "seq", "causal", "window", "statistics"),
     [
-        (64, True, None, False),
-        (128, False, None, False),
-        (128, True, None, True),
-        (128, False, (32, 0), True),
-        (96, False, None, False),
-        (96, True, None, True),
-        (256, True, None, False),
+        (64, 1024, True, None, False),
+        (128, 1024, False, None, False),
+        (128, 1024, True, None, True),
+        (128, 512, True, None, False),
+        (128, 1024, False, (32, 0), True),
+        (96, 1024, False, None, False),
+        (96, 2048, True, None, True),
+        (256, 1024, True, None, False),
     ],
 )
 def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
-    dim: int, causal: bool, window: Any, statistics: bool
+    dim: int, seq: int, causal: bool, window: Any, statistics: bool
 ) -> None:
     """A call nothing differentiates asks cuDNN's forward for the output alone (its custom call
     returns the output and a workspace) unless the statistics speed it up (causal or a window, head
-    dims 65 to 128); a differentiated call always asks for them."""
+    dims 65 to 128, from 1024 keys); a differentiated call always asks for them."""
     attention = FlashAttention(platform="cudnn")
     masks = dict(causal=causal, sliding_window=window)
 
@@ -650,7 +651,7 @@ def test_cudnn_asks_for_its_statistics_where_they_make_it_faster(
         out, pullback = jax.vjp(lambda *x: attention(*x, **masks), q, k, v)
         return out, pullback(out)
 
-    q = jax.ShapeDtypeStruct((1, 128, 4, dim), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((1, seq, 4, dim), jnp.bfloat16)
     assert cudnn_forward_results(infer, q, q, q) == {3 if statistics else 2}
     assert cudnn_forward_results(train, q, q, q) == {3}  # the forward, and the one its vjp reruns
 

@@ -457,6 +457,9 @@ def test_goals_count_readings_with_the_head_dims_floor():
     assert lines["auto within 3% of the fastest, forward+backward"].endswith(
         "| 1 of 2 | 0.962 | 2x8192x16x128: 0.962 |"
     )
+    assert lines["auto >= 1.0x cuDNN, forward+backward"].endswith(
+        "| 2 of 2 | 1.010 |  |"
+    )  # what a user gets, whichever kernels its config runs
     assert lines["ahead of tokamax, forward"].endswith("| - | - | |")  # tokamax did not run
     assert "| 2x8192x16x128 | 1.01 (pallas/mosaic) | 0.99 (pallas/mosaic) |" in summary(results)
 

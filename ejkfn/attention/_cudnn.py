@@ -12,7 +12,7 @@ changes neither scores nor outputs).
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
 only as precise as bfloat16/float16). Calls that nothing differentiates (``infer``) leave them out
 where that makes cuDNN's forward faster: it is another cuDNN graph, and asking for the statistics
-speeds up the causal forward at head dims 65-128 (:func:`_statistics_speed_up`). The backward
+speeds up the causal forward at head dims 65-128 from 1024 keys (:func:`_statistics_speed_up`). The backward
 pass is ``jax.vjp`` of the cuDNN forward: XLA reruns the forward inside it to get cuDNN's own
 residuals.
 """
@@ -181,17 +181,25 @@ def _infer(
 ) -> jax.Array:
     del q_seg, kv_seg, seed, params
     _check(q, k, spec, interpret, bias)
-    residual = _statistics_speed_up(spec, q.shape[-1])
+    residual = _statistics_speed_up(spec, q.shape[-1], k.shape[1])
     return _attention(q, k, v, bias, mask, spec=spec, residual=residual)[0]
 
 
-def _statistics_speed_up(spec: AttentionSpec, head_dim: int) -> bool:
+STATISTICS_MIN_KEYS = 1024  # fewer keys: cuDNN's forward runs slower asked for its statistics
+
+
+def _statistics_speed_up(spec: AttentionSpec, head_dim: int, seq_k: int) -> bool:
     """Whether cuDNN's forward runs faster asked for its softmax statistics as well: causal (a
-    window is causal to cuDNN) at head dims over 64 and up to 128. Measured on an H200 side by side
-    (benchmarks/results/cudnn_paths_NVIDIA_H200_20261202-061915.json and -062540.json): with them
-    1.017-1.025x at five causal shapes of head dims 96 and 128; without a mask 0.991-1.004x; at
-    head dim 64 0.974-0.994x; at head dim 256 causal 0.997x."""
-    return (spec.causal or spec.window is not None) and 64 < head_dim <= 128
+    window is causal to cuDNN) at head dims over 64 and up to 128, from ``STATISTICS_MIN_KEYS``
+    keys. Measured on an H200 side by side (benchmarks/results/cudnn_paths_NVIDIA_H200_20261202-
+    061915.json, -062540.json and -132823.json): with them 1.006-1.025x at ten causal shapes of
+    head dims 96 and 128 from 2048 keys, 1.004x at 1024 and 0.933x at 512; without a mask
+    0.991-1.004x; at head dim 64 0.974-0.994x; at head dim 256 causal 0.997x."""
+    return (
+        (spec.causal or spec.window is not None)
+        and 64 < head_dim <= 128
+        and seq_k >= STATISTICS_MIN_KEYS
+    )
 
 
 def _bwd(
