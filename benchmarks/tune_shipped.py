@@ -6,8 +6,7 @@ forward and backward (each native backend's heuristic config, one candidate of e
 backward kernels, and up to ``--per-backend`` others drawn from its candidates; those within 3% of the
 fastest timed again with twice the calls), and stores
 the fastest (one running a cuDNN kernel only where it leads our own kernels by more than
-``OWN_KERNELS_MARGIN``, 3%, unless ``auto``'s heuristic trains the call on cuDNN's backward kernel
-itself) under the invocation's portable key
+``OWN_KERNELS_MARGIN``, 3%, below ``HYBRID_SCORES`` scores) under the invocation's portable key
 (:attr:`ejkfn.Invocation.portable_key`: device model, shapes and kernel version, not driver or library
 versions) in the cache folder ``--out``/``shipped_<device>``, with every candidate's time beside it.
 It then times each distinct forward of the candidates alone; where another one's forward is the
@@ -43,13 +42,7 @@ from attention import MASKS, MIN_BATCH_MS, parse_shapes
 
 import ejkfn
 from ejkfn import BwdParams, FwdParams
-from ejkfn.attention import (
-    AttentionConfig,
-    AttentionShape,
-    AttentionSpec,
-    _api,
-    registered_backends,
-)
+from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec, registered_backends
 from ejkfn.attention._backend import CUDNN_BWD
 
 SHAPES = [  # (batch, seq, heads, kv_heads, dim): the benchmark's shapes and common training ones
@@ -210,19 +203,24 @@ def runs_cudnn(cfg: AttentionConfig) -> bool:
     return cfg.platform == "cudnn" or (cfg.bwd is not None and cfg.bwd.variant == CUDNN_BWD)
 
 
-def own_kernels_margin(device_kind: str, shape_name: str) -> float:
+# From this many scores (batch x kv heads x seq_q x seq_k) at head dims over 64, a tune ships its
+# fastest config with no margin for our own kernels: there cuDNN's backward kernel behind the Mosaic
+# forward led the fused pair in side-by-side runs on an H200 (1.4-1.7% at 2x16384x16x128, where the
+# margin had shipped the fused pair; 0.9% at 1x32768x16x128), as the tunes had read it
+# (benchmarks/NOTES.md, seventy-eighth round). Below it, side-by-side runs read our pair ahead where
+# tunes put that hybrid 2-4% ahead (4x4096x16x128 causal), which is what the margin is for.
+HYBRID_SCORES = 2**33
+
+
+def own_kernels_margin(shape_name: str) -> float:
     """The lead a config with a cuDNN kernel needs to ship at ``shape_name`` (as :func:`tune` names
-    shapes: ``BxSxH/KVHxD[ causal]``) on ``device_kind``: :data:`OWN_KERNELS_MARGIN`, or none where
-    ``auto``'s heuristic itself trains such a call on cuDNN's backward kernel behind the Mosaic
-    forward. There the margin had shipped the fused pair at 2x16384x16x128 on an H200, which
-    side-by-side runs read 1.4-1.7% behind that hybrid (benchmarks/NOTES.md, seventy-eighth
-    round)."""
+    shapes: ``BxSxH/KVHxD[ causal]``): :data:`OWN_KERNELS_MARGIN`, or none from
+    :data:`HYBRID_SCORES` scores at head dims over 64."""
     match = re.fullmatch(r"(\d+)x(\d+)x(\d+)/(\d+)x(\d+)( causal)?", shape_name)
     if match is None:
         raise ValueError(f"shape name {shape_name!r} is not BxSxH/KVHxD[ causal]")
     batch, seq, _, kv_heads, dim = (int(n) for n in match.groups()[:5])
-    scores = batch * kv_heads * seq * seq
-    if dim > _api._OWN_BACKWARD_HEAD_DIM and scores > _api._own_backward_scores(device_kind):
+    if dim > 64 and batch * kv_heads * seq * seq >= HYBRID_SCORES:
         return 0.0
     return OWN_KERNELS_MARGIN
 
@@ -309,7 +307,7 @@ def tune(args: argparse.Namespace) -> None:
             best = shipped_choice(
                 [(r.cfg, r.seconds) for r in report.results if r.ok],
                 [(r.cfg, r.seconds) for r in forward.results if r.ok],
-                own_kernels_margin(kind, name),
+                own_kernels_margin(name),
             )
             meta = {
                 "shape": name,
@@ -368,7 +366,7 @@ def config_of(text: str) -> AttentionConfig:
 
 def chosen_from_log(entry: dict[str, Any], margin: float = OWN_KERNELS_MARGIN) -> AttentionConfig:
     """The config :func:`tune` would ship from a log entry's times (``seconds``, ``fwd_seconds``),
-    ``margin`` being :func:`own_kernels_margin` of its device and shape."""
+    ``margin`` being :func:`own_kernels_margin` of its shape."""
     seconds = [(config_of(text), t) for text, t in entry["seconds"].items()]
     forwards = [(config_of(text), t) for text, t in entry.get("fwd_seconds", {}).items()]
     return shipped_choice(seconds, forwards, margin)
@@ -393,7 +391,7 @@ def reselect(logs: list[str], folder: Path = PACKAGE_LAYER) -> None:
             key, meta = shipped_by_shape[saved["device"], entry["shape"]]
             if meta.get("tuned_fwd_bwd_ms") != min(entry["seconds"].values()) * 1e3:
                 continue  # not the tune whose pick ships
-            margin = own_kernels_margin(saved["device"], entry["shape"])
+            margin = own_kernels_margin(entry["shape"])
             chosen, shipped = chosen_from_log(entry, margin), layer.get(key)
             if chosen != shipped:
                 print(f"{saved['device']} {entry['shape']}:\n  {shipped!r}\n  -> {chosen!r}")
