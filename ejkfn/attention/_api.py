@@ -400,11 +400,13 @@ def _variant_order(platform: str, shape: AttentionShape) -> list[AttentionBacken
 # backward kernel on the Mosaic forward at each (benchmarks/NOTES.md, twenty-sixth round). Above
 # it training takes that hybrid (1x65536x16x128: 1.00-1.01x cuDNN, where the Mosaic backward reads
 # 0.92-0.98x). Of the ten shipped shapes above 2^28 scores at head dim 128, the H100's tunes
-# picked the hybrid (by over 3%) at five. At five unshipped shapes of 2^31-2^32 the H200 ran the
-# Mosaic pair 0.4-3.1% ahead of the hybrid at four (over two runs at two of them; 1.3% behind at
-# 1x16384x32x128 causal with 8 kv heads), where one program read up to 3.4% apart from itself in
-# a run (fifty-second round); at 2^33 (2x16384x16x128) the hybrid led the fused pair by 1.7%
-# and 1.4% causal over 16 rounds side by side (seventy-eighth round). At head dim 64 the
+# picked the hybrid by over 3% at five, and it ships at seven (from 2^33 scores wherever a tune read
+# it ahead: benchmarks/tune_shipped.py's HYBRID_SCORES); the H200's at its four from 2^33 alone.
+# At five unshipped shapes of 2^31-2^32 the H200 ran the Mosaic pair 0.4-3.1% ahead of the hybrid
+# at four (over two runs at two of them; 1.3% behind at 1x16384x32x128 causal with 8 kv heads),
+# where one program read up to 3.4% apart from itself in a run (fifty-second round); at 2^33
+# (2x16384x16x128) the hybrid led the fused pair by 1.7% and 1.4% causal over 16 rounds side by
+# side (seventy-eighth round). At head dim 64 the
 # Mosaic backward trains at any size: the tuner picked it at every shipped shape on both GPUs,
 # and the hybrid read 0.93-0.97x the Mosaic pair at four larger unshipped shapes on the H200. Where
 # Mosaic cannot do the call, cuDNN trains and the Mosaic forward infers if it can. Tuned and

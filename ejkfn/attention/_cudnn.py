@@ -12,9 +12,9 @@ changes neither scores nor outputs).
 The log-sum-exp comes from cuDNN's softmax statistics, which jax returns in the input dtype (so it is
 only as precise as bfloat16/float16). Calls that nothing differentiates (``infer``) leave them out
 where that makes cuDNN's forward faster: it is another cuDNN graph, and asking for the statistics
-speeds up the causal forward at head dims 65-128 from 1024 keys (:func:`_statistics_speed_up`). The backward
-pass is ``jax.vjp`` of the cuDNN forward: XLA reruns the forward inside it to get cuDNN's own
-residuals.
+speeds up the causal forward at head dims 65-128 from 1024 keys (:func:`_statistics_speed_up`).
+The backward pass is ``jax.vjp`` of the cuDNN forward: XLA reruns the forward inside it to get
+cuDNN's own residuals.
 """
 
 from __future__ import annotations
