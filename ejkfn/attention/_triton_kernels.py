@@ -125,9 +125,12 @@ def _scores(
     SMM: tl.constexpr,
     SMN: tl.constexpr,
     ROW_GROUP: tl.constexpr = 1,
+    CHECK_ROWS: tl.constexpr = True,
+    CHECK_COLS: tl.constexpr = True,
 ):
     """Logits in base-2 units (``-inf`` where not visible, when ``MASKED``), and ``tanh(s / cap)``
-    (for the soft cap's derivative; else ``qk``). ``rows``/``cols`` broadcast to the tile."""
+    (for the soft cap's derivative; else ``qk``). ``rows``/``cols`` broadcast to the tile; the
+    ``CHECK_*`` flags as :func:`_visible`'s."""
     t = qk
     if SOFT_CAP == 0 and not HAS_BIAS:
         s2 = qk * (SCALE * _LOG2E)  # one multiply a score, not two
@@ -144,10 +147,63 @@ def _scores(
     if MASKED:
         ok = _visible(
             rows, cols, qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, ROW_GROUP,
+            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, ROW_GROUP, CHECK_ROWS, CHECK_COLS,
         )  # fmt: skip
         s2 = tl.where(ok, s2, float("-inf"))
     return s2, t
+
+
+@triton.jit
+@no_type_check
+def _probs(
+    qk,
+    lse2,
+    rows,
+    cols,
+    bias_base,
+    qseg_base,
+    kvseg_base,
+    mask_base,
+    MASKED: tl.constexpr,
+    SCALE: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEQ_Q: tl.constexpr,
+    SEQ_K: tl.constexpr,
+    SBM: tl.constexpr,
+    SBN: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr,
+    HAS_SEG: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SMM: tl.constexpr,
+    SMN: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
+):
+    """The backward's probabilities ``exp2(s - lse2)`` (0 where not visible) and ``t`` as
+    :func:`_scores` gives it; ``lse2`` broadcasts to the tile, the ``CHECK_*`` flags as
+    :func:`_visible`'s."""
+    if SOFT_CAP == 0 and not HAS_BIAS and WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
+        # The scale folds into the exponent's fused multiply-add and hidden scores are zeroed
+        # after it: masked to -inf before, each took a multiply and a subtract more, and the dQ
+        # kernel ran 3.5% slower at 8x2048x32x64 causal (NOTES.md, eightieth round). With a
+        # window ptxas fenced the dK/dV kernel's wgmmas for it (C7519).
+        p = tl.exp2(qk * (SCALE * _LOG2E) - lse2)
+        if MASKED:
+            ok = _visible(
+                rows, cols, qseg_base, kvseg_base, mask_base, SEQ_Q, SEQ_K, CAUSAL, WINDOW_LEFT,
+                WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, 1, CHECK_ROWS, CHECK_COLS,
+            )  # fmt: skip
+            p = tl.where(ok, p, 0.0)
+        return p, qk
+    s, t = _scores(
+        qk, rows, cols, bias_base, qseg_base, kvseg_base, mask_base, MASKED, SCALE, SOFT_CAP,
+        HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK,
+        SMM, SMN, 1, CHECK_ROWS, CHECK_COLS,
+    )  # fmt: skip
+    return tl.exp2(s - lse2), t
 
 
 @triton.jit
@@ -168,10 +224,15 @@ def _visible(
     SMM: tl.constexpr,
     SMN: tl.constexpr,
     ROW_GROUP: tl.constexpr = 1,
+    CHECK_ROWS: tl.constexpr = True,
+    CHECK_COLS: tl.constexpr = True,
 ):
     """Which (row, col) pairs of the broadcast index tiles are visible (the spec's rules). Row
-    ``r`` is query ``r // ROW_GROUP`` (a forward with a GQA group folded into its rows)."""
-    inb = (rows < SEQ_Q) & (cols < SEQ_K)
+    ``r`` is query ``r // ROW_GROUP`` (a forward with a GQA group folded into its rows). Without
+    ``CHECK_ROWS`` / ``CHECK_COLS`` the caller knows its rows / cols lie inside the sequence."""
+    # (``x == x`` folds to true: a bound test costs each score a compare and a select, SASS)
+    inb = (rows < SEQ_Q) if CHECK_ROWS else (rows == rows)
+    inb = inb & ((cols < SEQ_K) if CHECK_COLS else (cols == cols))
     ok = inb
     pos = rows // ROW_GROUP + (SEQ_K - SEQ_Q // ROW_GROUP)
     if CAUSAL:
@@ -625,11 +686,15 @@ def _dkdv_inner(
     GAP: tl.constexpr,
     WANT_DK: tl.constexpr,
     WANT_DV: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
 ):
     # Works on transposed tiles ([keys, queries]) so that dv += p^T dout and dk += ds^T q need no
     # transposes of the large operands. With ``GAP`` the q blocks from ``gap_at`` on lie ``gap``
     # rows further on (the loop steps over the unmasked blocks between a window's two edges).
+    # ``CHECK_COLS``: whether the key block may pass the last key.
     offs_d = tl.arange(0, BLOCK_D)
+    # the q blocks start on whole blocks, but after a window's gap
+    CHECK_ROWS: tl.constexpr = SEQ_Q % BLOCK_Q != 0 or GAP
     for m0 in range(start, stop, BLOCK_Q):
         if GAP:
             m0 = tl.where(m0 >= gap_at, m0 + gap, m0)
@@ -638,12 +703,11 @@ def _dkdv_inner(
         q = tl.load(q_base + rows[:, None] * SQS + offs_d[None, :], mask=q_mask, other=0.0)
         lse2 = tl.load(lse2_base + rows, mask=rows < SEQ_Q, other=0.0)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        s_t, t_t = _scores(
-            qk_t, rows[None, :], cols[:, None], bias_base, qseg_base, kvseg_base, mask_base,
-            MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT,
-            WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN,
+        p_t, t_t = _probs(
+            qk_t, lse2[None, :], rows[None, :], cols[:, None], bias_base, qseg_base, kvseg_base,
+            mask_base, MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL,
+            WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, CHECK_ROWS, CHECK_COLS,
         )  # fmt: skip
-        p_t = tl.exp2(s_t - lse2[None, :])
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         if WANT_DK:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -765,6 +829,7 @@ def _dkdv_block(
         full_hi = hi
     gap = full_hi - full_lo  # the unmasked q blocks, which the masked loop steps over
     EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # as in the forward and dQ
+    CHECK_COLS: tl.constexpr = SEQ_K % BLOCK_K != 0
     for g in range(GROUP):
         h = kvh * GROUP + g
         bh64 = b64 * HEADS + h
@@ -784,6 +849,7 @@ def _dkdv_block(
                 False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE,
                 SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG,
                 DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, False, WANT_DK, WANT_DV,
+                CHECK_COLS,
             )  # fmt: skip
         # The masked ones in one loop: [lo, full_lo) (the diagonal, a window's right edge), then
         # [full_hi, hi) (a window's left edge). A loop of its own for the second made ptxas spill
@@ -793,7 +859,7 @@ def _dkdv_block(
             mask_base, qseg_base, kvseg_base, dbias_base, drop_key, lo, hi - gap, full_lo, gap,
             True, HEADS, SEQ_Q, SEQ_K, HEAD_DIM, SQS, SDOS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP,
             CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH,
-            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, EDGES, WANT_DK, WANT_DV,
+            DROP_SCALE, DOT_PRECISION, BLOCK_Q, BLOCK_D, EDGES, WANT_DK, WANT_DV, CHECK_COLS,
         )  # fmt: skip
     if WANT_DK:
         dk = dk * SCALE
@@ -945,8 +1011,10 @@ def _dq_inner(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     GAP: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
 ):
     offs_d = tl.arange(0, BLOCK_D)
+    CHECK_COLS: tl.constexpr = SEQ_K % BLOCK_K != 0 or GAP  # as the dK/dV kernel's rows
     for n0 in range(start, stop, BLOCK_K):
         if GAP:  # as in _fwd_inner
             n0 = tl.where(n0 >= gap_at, n0 + gap, n0)
@@ -955,12 +1023,11 @@ def _dq_inner(
         k = tl.load(k_base + cols[:, None] * SKS + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        s, t = _scores(
-            qk, rows[:, None], cols[None, :], bias_base, qseg_base, kvseg_base, mask_base, MASKED,
-            SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
-            HAS_SEG, HAS_MASK, SMM, SMN,
+        p, t = _probs(
+            qk, lse2[:, None], rows[:, None], cols[None, :], bias_base, qseg_base, kvseg_base,
+            mask_base, MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL,
+            WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, CHECK_ROWS, CHECK_COLS,
         )  # fmt: skip
-        p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROP_SCALE != 1.0:  # dropout on
             keep = _keep_tile(drop_key, b, h, rows, n0, BLOCK_K, HEADS, SEQ_Q, DROP_THRESH)
@@ -1091,6 +1158,7 @@ def bwd_dq_kernel(
         DQ += split.to(tl.int64) * SDX
         lo, hi, full_lo, full_hi = _split_run(lo, hi, full_lo, full_hi, split, KV_SPLITS, BLOCK_K)
     EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0  # one masked loop for both, as forward
+    CHECK_ROWS: tl.constexpr = SEQ_Q % BLOCK_Q != 0
     masked_lo, masked_hi, gap = _masked_run(lo, hi, full_lo, full_hi, EDGES)
     if SPLIT:
         dq = _dq_inner(
@@ -1098,14 +1166,14 @@ def bwd_dq_kernel(
             kvseg_base, drop_key, full_lo, full_hi, hi, 0, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM,
             SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
-            False,
+            False, CHECK_ROWS,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse2, delta, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
         kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
         HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
         HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, BLOCK_K, BLOCK_D,
-        EDGES,
+        EDGES, CHECK_ROWS,
     )  # fmt: skip
     dq = dq * SCALE
     dq_ptrs = DQ + b64 * SQB + h * SQH + rows[:, None] * SQS + offs_d[None, :]
