@@ -188,7 +188,7 @@ def _probs(
     if SOFT_CAP == 0 and not HAS_BIAS and WINDOW_LEFT < 0 and WINDOW_RIGHT < 0:
         # The scale folds into the exponent's fused multiply-add and hidden scores are zeroed
         # after it: masked to -inf before, each took a multiply and a subtract more, and the dQ
-        # kernel ran 3.5% slower at 8x2048x32x64 causal (NOTES.md, eightieth round). With a
+        # kernel ran 3.4% slower at 8x2048x32x64 causal (NOTES.md, eightieth round). With a
         # window ptxas fenced the dK/dV kernel's wgmmas for it (C7519).
         p = tl.exp2(qk * (SCALE * _LOG2E) - lse2)
         if MASKED:
