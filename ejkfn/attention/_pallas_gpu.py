@@ -274,14 +274,10 @@ def _needs_right(g: _Geom, over_q: bool) -> bool:
 def _visible(
     g: _Geom, rows: Any, cols: Any, qseg: Any = None, kseg: Any = None, mask: Any = None
 ) -> jax.Array:
-    """Bool, the spec's visibility rules plus the true key length where the key blocks pass it,
-    broadcast from query and key indices (and segment ids) shaped ``[n, 1]`` and ``[1, m]`` or the
-    reverse."""
+    """Bool, the spec's visibility rules plus the true key length, broadcast from query and key
+    indices (and segment ids) shaped ``[n, 1]`` and ``[1, m]`` or the reverse."""
     pos = rows + g.offset
-    if g.ragged_k:
-        ok = cols < g.seq_k
-    else:  # no padding columns: a bound test a score would be wasted (NOTES, eighty-first round)
-        ok = jnp.full(jnp.broadcast_shapes(jnp.shape(rows), jnp.shape(cols)), True)
+    ok = cols < g.seq_k
     if g.spec.causal:
         ok &= cols <= pos
     if g.spec.window is not None:
