@@ -130,11 +130,13 @@ def interleaved_seconds[K](
     """Seconds per call of each of ``fns``, one reading a round, or the exception it raised.
 
     After ``warmup`` calls of each (one at a time, each waited on), the ``calls`` timed calls of each
-    are split over ``rounds`` rounds. In a round the functions take turns in a new (seeded) order;
-    a turn runs ``settle`` untimed calls, then its share of the timed calls back to back (at most
-    ``MAX_IN_FLIGHT`` unfinished at once), and reads the time per call. Drifts of the machine's
-    speed then fall on all alike, and none is timed in the wake of a lighter one: a GPU's clock
-    follows the power drawn, so a kernel timed right after a light one reads fast. A function that
+    are split over ``rounds`` rounds. In a round the functions take turns in a new (seeded) order,
+    the orders such that each function follows every other equally often
+    (:func:`_carryover_balanced_orders`); a turn runs ``settle`` untimed calls, then its share of
+    the timed calls back to back (at most ``MAX_IN_FLIGHT`` unfinished at once), and reads the time
+    per call. Drifts of the machine's speed then fall on all alike, and so does what is left of the
+    wake of the function before: a GPU's clock follows the power drawn, so a kernel timed right
+    after a light one reads fast. A function that
     raises, or whose call takes more than ``bound`` seconds, drops out with that exception. Where a
     function's share of a round would last less than ``min_batch_seconds`` (judged by its fastest
     warm-up call; none without warm-up), its turns run that many seconds' worth of calls instead
@@ -178,20 +180,50 @@ def interleaved_seconds[K](
         settle_calls[key] = (
             max(settle, _calls_lasting(settle_seconds, fastest)) if settle_seconds else settle
         )
-    running = list(readings)
-    order = random.Random(seed)
-    for r in range(rounds):
+    keys = list(fns)
+    for r, order in enumerate(_carryover_balanced_orders(len(keys), rounds, random.Random(seed))):
         share = calls // rounds + (r < calls % rounds)
-        order.shuffle(running)
-        for key in list(running):
+        for key in [keys[i] for i in order if keys[i] in readings and keys[i] not in failed]:
             try:
                 _back_to_back(fns[key], settle_calls[key])  # untimed
                 batch = max(share, least_calls[key])
                 readings[key].append(_seconds_per_call(fns[key], batch, bound))
             except Exception as exc:
                 failed[key] = exc
-                running.remove(key)
     return {key: failed[key] if key in failed else readings[key] for key in fns}
+
+
+def _carryover_balanced_orders(n: int, rounds: int, rng: random.Random) -> list[list[int]]:
+    """``rounds`` orders of ``range(n)`` in which each index follows every other equally often.
+
+    A timed function can run faster or slower for what ran just before it, even after settling: on
+    an H200, over 12 rounds in orders shuffled at random, two copies of one attention program read
+    1.0-2.4% apart, the faster having followed the lightest program timed twice as often
+    (benchmarks/NOTES.md, eighty-first round). The rounds here come in blocks, each a
+    Williams design (a Latin square whose rows hold every ordered pair of neighbours once: ``n``
+    rows for even ``n``, ``2n`` with each pair twice for odd ``n``), its rows shuffled and its
+    indices relabelled at random. Only across the rounds' seams (the last of one round, the first of
+    the next) and in a partial last block is the balance not exact.
+
+    >>> orders = _carryover_balanced_orders(4, 4, random.Random(0))
+    >>> sorted((a[i], a[i + 1]) for a in orders for i in range(3)) == [
+    ...     (x, y) for x in range(4) for y in range(4) if x != y]
+    True
+    """
+    if n < 0 or rounds < 1:
+        raise ValueError(f"need n >= 0 and rounds >= 1; got {n=}, {rounds=}")
+    if n == 0:
+        return [[] for _ in range(rounds)]
+    # 0, 1, n-1, 2, n-2, ...: for even n its neighbours' differences mod n are 1..n-1, once each
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    rows = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:  # an odd n needs the mirrored square as well for every pair
+        rows += [row[::-1] for row in rows]
+    orders: list[list[int]] = []
+    while len(orders) < rounds:
+        label = rng.sample(range(n), n)
+        orders += [[label[i] for i in row] for row in rng.sample(rows, len(rows))]
+    return orders[:rounds]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -296,7 +328,8 @@ class Tuner:
 
     Candidates are timed in interleaved rounds (:func:`interleaved_seconds`): each round times every
     candidate in a new order, after one untimed call of it (or ``settle_seconds`` of them), so that
-    drifts of the machine's speed fall on all alike; a candidate's time is the median of its rounds.
+    drifts of the machine's speed fall on all alike, and the orders have each candidate follow every
+    other equally often; a candidate's time is the median of its rounds.
 
     Attributes:
         warmup: untimed calls of each candidate before the rounds.

@@ -1,7 +1,9 @@
 """Kernels, invocations and the selection order: each tier answers when it should and only then."""
 
+import collections
 import dataclasses
 import pickle
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -710,6 +712,25 @@ def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
     round_orders = [firsts, later[0 : 4 * 4 : 4], later[4 * 4 :: 4]]
     assert all(sorted(order) == names for order in round_orders)
     assert len({tuple(order) for order in round_orders}) > 1  # not one fixed order
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_interleaved_seconds_has_each_function_follow_every_other_equally_often(n):
+    """Within a round a function's turn follows each other function's equally often over a block
+    of rounds (``n`` of them, ``2n`` for odd ``n``), so a light function's wake on the next turn
+    falls on all alike; random shuffles had one copy of a program follow the light one twice as
+    often as its twin (benchmarks/NOTES.md, eighty-first round)."""
+    log: list[int] = []
+    rounds = 2 * n if n % 2 else n
+    fns = {i: (lambda i=i: log.append(i) or jnp.zeros(())) for i in range(n)}
+    times = ejkfn.interleaved_seconds(fns, warmup=0, calls=rounds, rounds=rounds, settle=0)
+    assert all(len(t) == rounds for t in times.values())
+    orders = [log[i : i + n] for i in range(0, len(log), n)]
+    assert len(orders) == rounds and all(sorted(o) == list(range(n)) for o in orders)
+    pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert pairs == {(a, b): rounds // n for a in range(n) for b in range(n) if a != b}
+    with pytest.raises(ValueError, match="rounds=0"):
+        _tune._carryover_balanced_orders(3, 0, random.Random(0))
 
 
 @pytest.fixture
