@@ -196,14 +196,15 @@ def interleaved_seconds[K](
 def _carryover_balanced_orders(n: int, rounds: int, rng: random.Random) -> list[list[int]]:
     """``rounds`` orders of ``range(n)`` in which each index follows every other equally often.
 
-    A timed function can run faster or slower for what ran just before it, even after settling: on
-    an H200, over 12 rounds in orders shuffled at random, two copies of one attention program read
-    1.0-2.4% apart, the faster having followed the lightest program timed twice as often
-    (benchmarks/NOTES.md, eighty-first round). The rounds here come in blocks, each a
-    Williams design (a Latin square whose rows hold every ordered pair of neighbours once: ``n``
-    rows for even ``n``, ``2n`` with each pair twice for odd ``n``), its rows shuffled and its
-    indices relabelled at random. Only across the rounds' seams (the last of one round, the first of
-    the next) and in a partial last block is the balance not exact.
+    A timed function can run faster or slower for what ran just before it, even after settling (a
+    GPU's clock and temperature after a light kernel). Orders shuffled at random leave that to
+    chance: in one 12-round run on an H200 one copy of an attention program followed the lightest
+    program timed twice as often as its twin did (benchmarks/NOTES.md, eighty-first round). The
+    rounds here come in blocks, each a Williams design (a Latin square whose rows hold every
+    ordered pair of neighbours once: ``n`` rows for even ``n``, ``2n`` with each pair twice for odd
+    ``n``), its rows shuffled and its indices relabelled at random, so that within a block no
+    function's predecessors differ from another's. Only across the rounds' seams (the last of one
+    round, the first of the next) and in a partial last block is the balance not exact.
 
     >>> orders = _carryover_balanced_orders(4, 4, random.Random(0))
     >>> sorted((a[i], a[i + 1]) for a in orders for i in range(3)) == [

@@ -718,8 +718,8 @@ def test_interleaved_seconds_takes_turns_in_a_new_order_each_round():
 def test_interleaved_seconds_has_each_function_follow_every_other_equally_often(n):
     """Within a round a function's turn follows each other function's equally often over a block
     of rounds (``n`` of them, ``2n`` for odd ``n``), so a light function's wake on the next turn
-    falls on all alike; random shuffles had one copy of a program follow the light one twice as
-    often as its twin (benchmarks/NOTES.md, eighty-first round)."""
+    falls on all alike; random shuffles once had one copy of a program follow the light one twice
+    as often as its twin (benchmarks/NOTES.md, eighty-first round)."""
     log: list[int] = []
     rounds = 2 * n if n % 2 else n
     fns = {i: (lambda i=i: log.append(i) or jnp.zeros(())) for i in range(n)}
