@@ -13,11 +13,14 @@ for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 not take: the first folder's kernels are then the check and the ratio's denominator instead.
 ``--split-keys 256x256,...`` adds this tree's Triton kernels with other ``WINDOW_SPLIT_KEYS`` (the
 keys a window spans before its interior runs unmasked, forward x backward).
-``--dtype`` sets q, k and v's dtype.
+``--dtype`` sets q, k and v's dtype. ``--control`` adds a second copy of this tree's kernels (as a
+revision named ``control``) and prints this tree's ratio to it: two copies of the same Triton
+kernels read up to 4% apart in one run, with one sign at every shape (NOTES.md, eighty-first
+round), so a revision's ratio means little unless it clears that.
 
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
         [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]
-        [--split-keys 256x256] [--dtype float32] [--out DIR]
+        [--split-keys 256x256] [--dtype float32] [--control] [--out DIR]
 """
 
 from __future__ import annotations
@@ -141,6 +144,13 @@ def main() -> int:
         help="with --window, this tree's Triton kernels again with these WINDOW_SPLIT_KEYS "
         "(FWDxBWD, comma-separated)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="also time a second copy of this tree's kernels, whose ratio to this tree's is the "
+        "run's floor: identical Triton kernels read up to 4%% apart in one run (NOTES.md, "
+        "eighty-first round)",
+    )
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4)
@@ -150,6 +160,9 @@ def main() -> int:
         parser.error(f"--window must be >= 0 keys; got {args.window}")
     folders = [Path(f) for f in args.previous.split(",")]
     tags = [f.name.strip("_") or "previous" for f in folders]
+    if args.control:
+        folders.append(Path(_triton.__file__).parent)
+        tags.append("control")
     if len(set(tags)) != len(tags):
         parser.error(f"--previous: folder names must differ; got {tags}")
     previous = {t: previous_modules(f, t) for f, t in zip(folders, tags, strict=True)}
@@ -200,6 +213,11 @@ def main() -> int:
                 for impl, row in by_impl.items():
                     if impl.startswith(name) and impl != before["impl"] and "ms" in row:
                         row["vs_previous"] = before.get("ms", float("nan")) / row["ms"]
+                control = by_impl.get(f"{name} control", {})
+                if "ms" in control and "ms" in by_impl[f"{name} now"]:
+                    by_impl[f"{name} now"]["vs_control"] = (
+                        control["ms"] / by_impl[f"{name} now"]["ms"]
+                    )
             rows += done
             print(f"{case.name} {'fwd+bwd' if backward else 'fwd'} ({time.time() - t0:.0f} s)")
     window = "" if args.window is None else f", window {args.window}"
@@ -213,6 +231,13 @@ def main() -> int:
             )
         else:
             print(f"| {r['case']} | {r['pass_']} | {r['impl']} | not timed: {r} |")
+    if args.control:  # identical kernels: what the ratios above resolve in this run
+        floor = [
+            f"{r['case']} {r['pass_']} {r['impl']} {r['vs_control']:.3f}"
+            for r in rows
+            if "vs_control" in r
+        ]
+        print("\nthis tree's kernels against their control copy:\n" + "\n".join(floor))
     if args.out:
         save_rows(args.out, "revision_ab", rows)
     return 0

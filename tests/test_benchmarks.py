@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import importlib.metadata
 import json
+import re
 import subprocess
 import sys
 import types
@@ -584,6 +585,28 @@ def test_power_and_clock_reads_nvidia_smi_samples(tmp_path, monkeypatch):
     assert (drawn["watts"], drawn["sm_mhz"]) == (650.5, 1605.0)
     fake.unlink()
     assert power_and_clock(lambda a: a + 1, [(x,)], seconds=0.1) is None
+
+
+def test_revision_ab_control_times_a_second_copy_of_this_tree(tmp_path):
+    """``--control`` adds this tree's kernels again as the revision ``control`` and prints this
+    tree's ratio to it, the run's floor (with ``--window`` the first folder is the baseline, so
+    no GPU-only peer runs)."""
+    import shutil
+
+    folder = tmp_path / "_copy"
+    folder.mkdir()
+    for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
+        shutil.copy(ROOT / "ejkfn" / "attention" / name, folder / name)
+    out = _run("revision_ab_gpu.py", "--previous", str(folder), "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--calls", "2", "--rounds", "2", "--window", "8", "--control", "--out", str(tmp_path))  # fmt: skip
+    assert "| pallas control |" in out and "| pallas now |" in out
+    [floor] = re.findall(r"1x64x2x32 causal fwd pallas now (\d+\.\d+)", out)
+    assert float(floor) > 0
+    rows = _saved(tmp_path, "revision_ab_*.json")["rows"]
+    assert {r["impl"] for r in rows} == {"pallas copy", "pallas control", "pallas now"}
+    [ratio] = [r["vs_control"] for r in rows if "vs_control" in r]
+    assert abs(ratio - float(floor)) < 1e-3
+    clash = _refusal("revision_ab_gpu.py", "--previous", str(tmp_path / "control"), "--control")
+    assert "folder names must differ" in clash
 
 
 def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
