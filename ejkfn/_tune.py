@@ -136,11 +136,11 @@ def interleaved_seconds[K](
     the timed calls back to back (at most ``MAX_IN_FLIGHT`` unfinished at once), and reads the time
     per call. Drifts of the machine's speed then fall on all alike, and so does what is left of the
     wake of the function before: a GPU's clock follows the power drawn, so a kernel timed right
-    after a light one reads fast. A function that
-    raises, or whose call takes more than ``bound`` seconds, drops out with that exception. Where a
-    function's share of a round would last less than ``min_batch_seconds`` (judged by its fastest
-    warm-up call; none without warm-up), its turns run that many seconds' worth of calls instead
-    (at most ``MAX_BATCH_CALLS``): a few sub-millisecond calls read launch latency and clock
+    after a light one reads fast. A function that raises, or whose call takes more than ``bound``
+    seconds, drops out with that exception. Where a function's share of a round would last less
+    than ``min_batch_seconds`` (judged by its fastest warm-up call; none without warm-up), its
+    turns run that many seconds' worth of calls instead (at most ``MAX_BATCH_CALLS``): a few
+    sub-millisecond calls read launch latency and clock
     transients more than the kernel. ``settle_seconds`` lengthens the untimed calls before each
     turn the same way, dispatched back to back: a GPU's clock left high or low by the previous
     function takes about 0.1 s to follow this one (:data:`GPU_SETTLE_SECONDS`).
