@@ -140,10 +140,10 @@ def interleaved_seconds[K](
     seconds, drops out with that exception. Where a function's share of a round would last less
     than ``min_batch_seconds`` (judged by its fastest warm-up call; none without warm-up), its
     turns run that many seconds' worth of calls instead (at most ``MAX_BATCH_CALLS``): a few
-    sub-millisecond calls read launch latency and clock
-    transients more than the kernel. ``settle_seconds`` lengthens the untimed calls before each
-    turn the same way, dispatched back to back: a GPU's clock left high or low by the previous
-    function takes about 0.1 s to follow this one (:data:`GPU_SETTLE_SECONDS`).
+    sub-millisecond calls read launch latency and clock transients more than the kernel.
+    ``settle_seconds`` lengthens the untimed calls before each turn the same way, dispatched back
+    to back: a GPU's clock left high or low by the previous function takes about 0.1 s to follow
+    this one (:data:`GPU_SETTLE_SECONDS`).
 
     >>> import jax.numpy as jnp
     >>> x = jnp.ones(64)
