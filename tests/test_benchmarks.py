@@ -609,6 +609,21 @@ def test_revision_ab_control_times_a_second_copy_of_this_tree(tmp_path):
     assert "folder names must differ" in clash
 
 
+def test_copies_times_identical_kernels_as_separate_programs(tmp_path):
+    """``copies_gpu.py`` times jits of this tree's kernels and copies of its module side by side,
+    each checked against the first, and saves the spread of their medians; ``--copies-first``
+    builds the copies first. Bad counts and backends are refused by name."""
+    out = _run("copies_gpu.py", "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--jits", "1", "--copies", "2", "--no-mha", "--copies-first", "--calls", "2", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
+    rows = _saved(tmp_path, "copies_*.json")["rows"]
+    assert [r["impl"] for r in rows] == ["pallas copy 0", "pallas copy 1", "pallas tree 0"]
+    assert all(r["max_rel_err_vs_pallas copy 0"] == 0.0 for r in rows[1:])  # the same kernels
+    times = [r["ms"] for r in rows]
+    assert all(r["copies_spread"] == pytest.approx(max(times) / min(times)) for r in rows)
+    assert "| 1x64x2x32 causal | fwd | pallas tree 0 |" in out
+    assert "got 1, 0" in _refusal("copies_gpu.py", "--jits", "1", "--copies", "0")
+    assert "got ['cuda']" in _refusal("copies_gpu.py", "--backends", "cuda")
+
+
 def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
     """A copy of this tree's portable backends, loaded as an earlier revision, computes what this
     tree does and leaves the registered backends alone; a folder missing a module is refused."""

@@ -1,0 +1,120 @@
+"""Identical portable kernels as separate programs, timed side by side: what one run resolves.
+
+Two copies of the same Triton kernels read up to 4% apart in one run, with one sign at every shape,
+and the sign flipped in the next run (NOTES.md, eighty-first round). This script times, in one
+process, ``--jits`` jits of this tree's backend and ``--copies`` copies of its module (the same files
+loaded again under other names, as ``revision_ab_gpu.py`` loads a revision), each through its
+heuristic config, beside JAX's ``mha`` unless ``--no-mha`` (it runs only on a GPU). For each case
+it prints every program's median, its ratio to the first, and the spread of the medians (the
+slowest over the fastest): an A/B in a run like this one means nothing below that spread.
+``--copies-first`` loads and compiles the copies before this tree's kernels, to see whether the
+order of loading sets which copy is fast.
+
+    python3 benchmarks/copies_gpu.py [--backends triton] [--shapes 4x4096x16x128,...]
+        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first]
+        [--rounds 8] [--calls 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from attention import MASKS, Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
+from portable_sweep_gpu import mha
+from revision_ab_gpu import direct, previous_modules
+
+from ejkfn.attention import _pallas_gpu, _triton
+
+TREE = {"triton": _triton, "pallas": _pallas_gpu}
+
+
+def programs(
+    case: Case, backward: bool, backend: str, jits: int, copies: list[Any], copies_first: bool
+) -> dict[str, Any]:
+    """Label -> jitted program: ``jits`` of this tree's module and one of each copy."""
+    tree = {f"{backend} tree {i}": TREE[backend] for i in range(jits)}
+    copied = {f"{backend} copy {i}": c[backend] for i, c in enumerate(copies)}
+    chosen = {**copied, **tree} if copies_first else {**tree, **copied}
+    made = {}
+    for label, module in chosen.items():
+        fn = direct(module, case)
+        made[label] = jax.jit(fwd_bwd(fn) if backward else fn)
+    return made
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="triton")
+    parser.add_argument("--shapes", default="4x4096x16x128")
+    parser.add_argument("--masks", choices=tuple(MASKS), default="both")
+    parser.add_argument("--passes", default="bwd")
+    parser.add_argument("--jits", type=int, default=2, help="jits of this tree's module")
+    parser.add_argument("--copies", type=int, default=2, help="copies of the module, loaded anew")
+    parser.add_argument("--no-mha", action="store_true", help="leave JAX's mha out (CPU runs)")
+    parser.add_argument("--copies-first", action="store_true")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    args = parser.parse_args()
+    backends = args.backends.split(",")
+    if unknown := [b for b in backends if b not in TREE]:
+        parser.error(f"--backends: expected names among {sorted(TREE)}; got {unknown}")
+    if args.jits < 1 or args.copies < 0 or args.jits + args.copies < 2:
+        parser.error(
+            f"need --jits >= 1, --copies >= 0 and two programs; got {args.jits}, {args.copies}"
+        )
+    folder = Path(_triton.__file__).parent
+    copies = [previous_modules(folder, f"copy{i}") for i in range(args.copies)]
+    cases = [
+        Case(b, s, h, kvh, d, causal)
+        for b, s, h, kvh, d in parse_shapes(args.shapes)
+        for causal in MASKS[args.masks]
+    ]
+    rows: list[dict[str, Any]] = []
+    t0 = time.time()
+    for case in cases:
+        sets = [inputs(case, seed) for seed in (0, 1)]
+        for backward in [p == "bwd" for p in args.passes.split(",")]:
+            fns = (
+                {}
+                if args.no_mha
+                else {"mha": jax.jit(fwd_bwd(mha(case)) if backward else mha(case))}
+            )
+            for backend in backends:
+                fns |= programs(case, backward, backend, args.jits, copies, args.copies_first)
+            baseline = next(label for label in fns if label != "mha")
+            done = check_then_time(
+                case, backward, fns, baseline, sets, args.calls, args.rounds, max_error=2e-2
+            )
+            for backend in backends:
+                ours = [r for r in done if r["impl"].startswith(backend) and "ms" in r]
+                if ours:
+                    spread = max(r["ms"] for r in ours) / min(r["ms"] for r in ours)
+                    for r in ours:
+                        r["copies_spread"] = spread
+            rows += done
+            print(f"{case.name} {'fwd+bwd' if backward else 'fwd'} ({time.time() - t0:.0f} s)")
+    print(f"\n| case | pass | impl | ms | vs first | spread of the {', '.join(backends)} medians |")
+    print(f"|{'---|' * 6}")
+    for r in rows:
+        if "ms" not in r:
+            print(f"| {r['case']} | {r['pass_']} | {r['impl']} | not timed: {r} |")
+            continue
+        ratio = next((v for k, v in r.items() if k.startswith("vs_")), 1.0)
+        print(
+            f"| {r['case']} | {r['pass_']} | {r['impl']} | {r['ms']:.4f} | {ratio:.4f} |"
+            f" {r.get('copies_spread', float('nan')):.4f} |"
+        )
+    if args.out:
+        save_rows(args.out, "copies", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
