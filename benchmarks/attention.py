@@ -81,6 +81,15 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
     return shapes
 
 
+def parse_cases(shapes: str, masks: str) -> list[Case]:
+    """``parse_shapes(shapes)``, each with every mask of ``MASKS[masks]``."""
+    return [
+        Case(b, s, h, kvh, d, causal)
+        for b, s, h, kvh, d in parse_shapes(shapes)
+        for causal in MASKS[masks]
+    ]
+
+
 def parse_params(text: str, cls: type) -> Any:
     """``"128x64x8x3[xmirrored][xdq2]"`` as ``cls(q_blocksize, kv_blocksize, num_warps,
     num_stages, variant, dq_num_stages)``: a block config on the command line (``FwdParams`` or

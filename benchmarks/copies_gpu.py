@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from attention import MASKS, Case, check_then_time, fwd_bwd, inputs, parse_shapes, save_rows
+from attention import MASKS, Case, check_then_time, fwd_bwd, inputs, parse_cases, save_rows
 from portable_sweep_gpu import mha
 from revision_ab_gpu import direct, previous_modules
 
@@ -71,11 +71,7 @@ def main() -> int:
         )
     folder = Path(_triton.__file__).parent
     copies = [previous_modules(folder, f"copy{i}") for i in range(args.copies)]
-    cases = [
-        Case(b, s, h, kvh, d, causal)
-        for b, s, h, kvh, d in parse_shapes(args.shapes)
-        for causal in MASKS[args.masks]
-    ]
+    cases = parse_cases(args.shapes, args.masks)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:

@@ -58,7 +58,7 @@ from attention import (
     fwd_bwd,
     inputs,
     load_module,
-    parse_shapes,
+    parse_cases,
     power_and_clock,
     save_rows,
 )
@@ -532,11 +532,7 @@ def main() -> int:
     if args.trace_only and not (args.cpu_smoke and not args.profile):
         raise SystemExit("--trace-only needs --cpu-smoke and no --profile (it runs nothing)")
     shapes = args.shapes or ("1x256x2x128" if args.cpu_smoke else SHAPES)
-    cases = [
-        Case(b, s, h, kvh, d, causal)
-        for b, s, h, kvh, d in parse_shapes(shapes)
-        for causal in MASKS[args.masks]
-    ]
+    cases = parse_cases(shapes, args.masks)
     if args.profile:
         profile(cases, args)
         return 0

@@ -41,7 +41,7 @@ from attention import (
     fwd_bwd,
     inputs,
     load_module,
-    parse_shapes,
+    parse_cases,
     save_rows,
 )
 from portable_sweep_gpu import mha
@@ -178,11 +178,7 @@ def main() -> int:
         parser.error(str(bad))
     # mha takes no window: the first folder's kernels check the others then
     baseline = "mha" if args.window is None else f"{next(iter(current))} {tags[0]}"
-    cases = [
-        Case(b, s, h, kvh, d, causal)
-        for b, s, h, kvh, d in parse_shapes(args.shapes)
-        for causal in MASKS[args.masks]
-    ]
+    cases = parse_cases(args.shapes, args.masks)
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     for case in cases:
