@@ -180,10 +180,10 @@ def interleaved_seconds[K](
         settle_calls[key] = (
             max(settle, _calls_lasting(settle_seconds, fastest)) if settle_seconds else settle
         )
-    keys = list(fns)
-    for r, order in enumerate(_carryover_balanced_orders(len(keys), rounds, random.Random(seed))):
+    timed = list(readings)  # the design balances the functions that warmed up, not the dropped
+    for r, order in enumerate(_carryover_balanced_orders(len(timed), rounds, random.Random(seed))):
         share = calls // rounds + (r < calls % rounds)
-        for key in [keys[i] for i in order if keys[i] in readings and keys[i] not in failed]:
+        for key in [timed[i] for i in order if timed[i] not in failed]:
             try:
                 _back_to_back(fns[key], settle_calls[key])  # untimed
                 batch = max(share, least_calls[key])
