@@ -8,24 +8,41 @@ heuristic config, beside JAX's ``mha`` unless ``--no-mha`` (it runs only on a GP
 it prints every program's median, its ratio to the first, and the spread of the medians (the
 slowest over the fastest): an A/B in a run like this one means nothing below that spread.
 ``--copies-first`` loads and compiles the copies before this tree's kernels, to see whether the
-order of loading sets which copy is fast.
+order of loading sets which copy is fast. Each case also says whether the programs' optimized HLO
+is the same text (module names aside). ``--trace`` times ``--trace-rounds`` more rounds under JAX's
+profiler and prints each program's kernels' median device times, to say which kernel of a slow
+copy is slow.
 
     python3 benchmarks/copies_gpu.py [--backends triton] [--shapes 4x4096x16x128,...]
         [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first]
-        [--rounds 8] [--calls 5] [--out DIR]
+        [--rounds 8] [--calls 5] [--trace] [--trace-rounds 2] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import statistics
 import sys
+import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import jax
-from attention import MASKS, Case, check_then_time, fwd_bwd, inputs, parse_cases, save_rows
+from attention import (
+    MASKS,
+    Case,
+    check_then_time,
+    fwd_bwd,
+    inputs,
+    interleaved_ms,
+    parse_cases,
+    save_rows,
+)
+from jax._src.lib import _profile_data
 from portable_sweep_gpu import mha
 from revision_ab_gpu import direct, previous_modules
 
@@ -41,11 +58,83 @@ def programs(
     tree = {f"{backend} tree {i}": TREE[backend] for i in range(jits)}
     copied = {f"{backend} copy {i}": c[backend] for i, c in enumerate(copies)}
     chosen = {**copied, **tree} if copies_first else {**tree, **copied}
-    made = {}
-    for label, module in chosen.items():
-        fn = direct(module, case)
-        made[label] = jax.jit(fwd_bwd(fn) if backward else fn)
-    return made
+    return {
+        label: named_jit(fwd_bwd(direct(module, case)) if backward else direct(module, case), label)
+        for label, module in chosen.items()
+    }
+
+
+def named_jit(fn: Any, label: str) -> Any:
+    """``fn`` jitted as a module named after ``label`` (``jit_<label>``), which the profiler's
+    kernel events carry: identical programs are told apart by it."""
+
+    def program(*args: Any) -> Any:
+        return fn(*args)
+
+    program.__name__ = program.__qualname__ = module_name(label)
+    return jax.jit(program)
+
+
+def module_name(label: str) -> str:
+    return re.sub(r"\W", "_", label)
+
+
+def same_hlo(fns: dict[str, Any], args: tuple[Any, ...]) -> bool:
+    """Whether the programs compile to the same optimized HLO, names and source metadata aside."""
+    texts = set()
+    for label, fn in fns.items():
+        text = fn.lower(*args).compile().as_text().replace(module_name(label), "program")
+        text = text.split("\nFileNames")[0]  # the tables of the source lines that traced it
+        texts.add(re.sub(r", metadata=\{[^}]*\}", "", text))
+    return len(texts) == 1
+
+
+def kernel_times(fns: dict[str, Any], sets: list[Any], calls: int, rounds: int) -> dict:
+    """``label -> kernel -> median device µs`` over ``rounds`` interleaved rounds under JAX's
+    profiler (on the CPU, XLA's thunks stand in for kernels)."""
+    by_module = {f"jit_{module_name(label)}": label for label in fns}
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            interleaved_ms(fns, sets, calls, rounds, settle_ms=0.0)
+        [path] = Path(folder).rglob("*.xplane.pb")
+        data = _profile_data.ProfileData.from_file(str(path))
+    device = [p for p in data.planes if p.name.startswith("/device:")] or [
+        p for p in data.planes if p.name == "/host:CPU"
+    ]
+    spans: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for plane in device:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                label = by_module.get(str(stats.get("hlo_module", "")))
+                if label is not None:
+                    spans[label][event.name].append(event.duration_ns / 1e3)
+    if not spans:
+        seen = [(e.name, dict(e.stats)) for p in device for ln in p.lines for e in ln.events][:5]
+        print(f"no profiled event named a program's module; the first events: {seen}")
+    return {
+        label: {kernel: statistics.median(us) for kernel, us in kernels.items()}
+        for label, kernels in spans.items()
+    }
+
+
+def print_kernel_times(times: dict[str, dict[str, float]]) -> None:
+    """One row a kernel, one column a program, each program's median µs and its ratio to the
+    first program's."""
+    labels = list(times)
+    kernels = sorted(
+        {k for t in times.values() for k in t}, key=lambda k: -times[labels[0]].get(k, 0)
+    )
+    print(f"\n| kernel | {' | '.join(labels)} |")
+    print(f"|{'---|' * (len(labels) + 1)}")
+    first = times[labels[0]]
+    for kernel in kernels:
+        cells = []
+        for label in labels:
+            us = times[label].get(kernel)
+            ratio = f" ({us / first[kernel]:.3f})" if us and first.get(kernel) else ""
+            cells.append("-" if us is None else f"{us:.1f}{ratio}")
+        print(f"| {kernel[:60]} | {' | '.join(cells)} |")
 
 
 def main() -> int:
@@ -60,6 +149,8 @@ def main() -> int:
     parser.add_argument("--copies-first", action="store_true")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--trace", action="store_true", help="kernel times under the profiler")
+    parser.add_argument("--trace-rounds", type=int, default=2)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
     backends = args.backends.split(",")
@@ -94,8 +185,21 @@ def main() -> int:
                     spread = max(r["ms"] for r in ours) / min(r["ms"] for r in ours)
                     for r in ours:
                         r["copies_spread"] = spread
+            ours = {k: f for k, f in fns.items() if k != "mha"}
+            passed = [s[: 4 if backward else 3] for s in sets]
+            same = same_hlo(ours, passed[0])
+            for r in done:
+                r["same_hlo"] = same
+            if args.trace:
+                times = kernel_times(fns, passed, args.calls, args.trace_rounds)
+                print_kernel_times(times)
+                for r in done:
+                    r["kernel_us"] = times.get(r["impl"], {})
             rows += done
-            print(f"{case.name} {'fwd+bwd' if backward else 'fwd'} ({time.time() - t0:.0f} s)")
+            print(
+                f"{case.name} {'fwd+bwd' if backward else 'fwd'}: the programs' optimized HLO"
+                f" {'the same' if same else 'differs'} ({time.time() - t0:.0f} s)"
+            )
     print(f"\n| case | pass | impl | ms | vs first | spread of the {', '.join(backends)} medians |")
     print(f"|{'---|' * 6}")
     for r in rows:

@@ -612,14 +612,21 @@ def test_revision_ab_control_times_a_second_copy_of_this_tree(tmp_path):
 def test_copies_times_identical_kernels_as_separate_programs(tmp_path):
     """``copies_gpu.py`` times jits of this tree's kernels and copies of its module side by side,
     each checked against the first, and saves the spread of their medians; ``--copies-first``
-    builds the copies first. Bad counts and backends are refused by name."""
-    out = _run("copies_gpu.py", "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--jits", "1", "--copies", "2", "--no-mha", "--copies-first", "--calls", "2", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
+    builds the copies first; identical programs compile to the same HLO, and ``--trace`` reads
+    each one's kernels under the profiler. Bad counts and backends are refused by name."""
+    out = _run("copies_gpu.py", "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--jits", "1", "--copies", "2", "--no-mha", "--copies-first", "--calls", "2", "--rounds", "2", "--trace", "--trace-rounds", "1", "--out", str(tmp_path))  # fmt: skip
     rows = _saved(tmp_path, "copies_*.json")["rows"]
     assert [r["impl"] for r in rows] == ["pallas copy 0", "pallas copy 1", "pallas tree 0"]
     assert all(r["max_rel_err_vs_pallas copy 0"] == 0.0 for r in rows[1:])  # the same kernels
     times = [r["ms"] for r in rows]
     assert all(r["copies_spread"] == pytest.approx(max(times) / min(times)) for r in rows)
     assert "| 1x64x2x32 causal | fwd | pallas tree 0 |" in out
+    assert all(r["same_hlo"] for r in rows) and "optimized HLO the same" in out
+    # every program ran the same thunks under the profiler, each at least once
+    kernels = [set(r["kernel_us"]) for r in rows]
+    assert kernels[0] and kernels[0] == kernels[1] == kernels[2]
+    assert all(us > 0 for r in rows for us in r["kernel_us"].values())
+    assert "| kernel | pallas copy 0 | pallas copy 1 | pallas tree 0 |" in out
     assert "got 1, 0" in _refusal("copies_gpu.py", "--jits", "1", "--copies", "0")
     assert "got ['cuda']" in _refusal("copies_gpu.py", "--backends", "cuda")
 
