@@ -8,19 +8,20 @@ heuristic config, beside JAX's ``mha`` unless ``--no-mha`` (it runs only on a GP
 it prints every program's median, its ratio to the first, and the spread of the medians (the
 slowest over the fastest): an A/B in a run like this one means nothing below that spread.
 ``--copies-first`` loads and compiles the copies before this tree's kernels, to see whether the
-order of loading sets which copy is fast. Each case also says whether the programs' optimized HLO
-is the same text (module names aside). ``--trace`` times ``--trace-rounds`` more rounds under JAX's
-profiler and prints each program's kernels' median device times, to say which kernel of a slow
-copy is slow.
+order of loading sets which copy is fast, and ``--mha-last`` puts ``mha`` after them. Each case also
+says whether the programs' optimized HLO is the same text (names aside). ``--trace`` times
+``--trace-rounds`` more rounds, as timed, under JAX's profiler and prints each program's calls and
+its kernels' median device times, to say which kernel of a slow copy is slow.
 
     python3 benchmarks/copies_gpu.py [--backends triton] [--shapes 4x4096x16x128,...]
-        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first]
+        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first] [--mha-last]
         [--rounds 8] [--calls 5] [--trace] [--trace-rounds 2] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import statistics
@@ -79,23 +80,32 @@ def module_name(label: str) -> str:
     return re.sub(r"\W", "_", label)
 
 
-def same_hlo(fns: dict[str, Any], args: tuple[Any, ...]) -> bool:
-    """Whether the programs compile to the same optimized HLO, names and source metadata aside."""
-    texts = set()
+def same_hlo(fns: dict[str, Any], args: tuple[Any, ...]) -> list[str]:
+    """Where the programs' optimized HLO differs from the first's, names and source metadata
+    aside: the first lines of each difference (empty where all are the same text)."""
+    texts = {}
     for label, fn in fns.items():
         text = fn.lower(*args).compile().as_text().replace(module_name(label), "program")
         text = text.split("\nFileNames")[0]  # the tables of the source lines that traced it
-        texts.add(re.sub(r", metadata=\{[^}]*\}", "", text))
-    return len(texts) == 1
+        texts[label] = re.sub(r", metadata=\{[^}]*\}", "", text).splitlines()
+    first, *others = texts
+    return [
+        f"{label}: {line[:200]}"
+        for label in others
+        for line in list(difflib.unified_diff(texts[first], texts[label], lineterm="", n=0))[2:6]
+    ]
 
 
-def kernel_times(fns: dict[str, Any], sets: list[Any], calls: int, rounds: int) -> dict:
-    """``label -> kernel -> median device µs`` over ``rounds`` interleaved rounds under JAX's
-    profiler (on the CPU, XLA's thunks stand in for kernels)."""
+def traced_rounds(
+    fns: dict[str, Any], sets: list[Any], calls: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """``rounds`` interleaved rounds, as timed, under JAX's profiler: for each program its median
+    ms a call (``ms``), how many calls its first kernel ran (``calls``) and each kernel's median
+    device µs (on the CPU, XLA's thunks stand in for kernels)."""
     by_module = {f"jit_{module_name(label)}": label for label in fns}
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
-            interleaved_ms(fns, sets, calls, rounds, settle_ms=0.0)
+            readings = interleaved_ms(fns, sets, calls, rounds)
         [path] = Path(folder).rglob("*.xplane.pb")
         data = _profile_data.ProfileData.from_file(str(path))
     device = [p for p in data.planes if p.name.startswith("/device:")] or [
@@ -105,36 +115,38 @@ def kernel_times(fns: dict[str, Any], sets: list[Any], calls: int, rounds: int) 
     for plane in device:
         for line in plane.lines:
             for event in line.events:
-                stats = dict(event.stats)
-                label = by_module.get(str(stats.get("hlo_module", "")))
+                label = by_module.get(str(dict(event.stats).get("hlo_module", "")))
                 if label is not None:
                     spans[label][event.name].append(event.duration_ns / 1e3)
     if not spans:
         seen = [(e.name, dict(e.stats)) for p in device for ln in p.lines for e in ln.events][:5]
         print(f"no profiled event named a program's module; the first events: {seen}")
     return {
-        label: {kernel: statistics.median(us) for kernel, us in kernels.items()}
-        for label, kernels in spans.items()
+        label: {
+            "ms": statistics.median(readings[label]),
+            "calls": len(next(iter(spans[label].values()), [])),
+            **{kernel: statistics.median(us) for kernel, us in spans[label].items()},
+        }
+        for label in fns
     }
 
 
-def print_kernel_times(times: dict[str, dict[str, float]]) -> None:
-    """One row a kernel, one column a program, each program's median µs and its ratio to the
-    first program's."""
-    labels = list(times)
-    kernels = sorted(
-        {k for t in times.values() for k in t}, key=lambda k: -times[labels[0]].get(k, 0)
-    )
-    print(f"\n| kernel | {' | '.join(labels)} |")
+def print_traced(traced: dict[str, dict[str, float]]) -> None:
+    """One row a quantity (ms a call, calls, each kernel's µs), one column a program, with its
+    ratio to the first program's."""
+    labels = list(traced)
+    first = traced[labels[0]]
+    kernels = {k for t in traced.values() for k in t} - {"ms", "calls"}
+    keys = ["ms", "calls", *sorted(kernels, key=lambda k: -first.get(k, 0))]
+    print(f"\n| traced rounds | {' | '.join(labels)} |")
     print(f"|{'---|' * (len(labels) + 1)}")
-    first = times[labels[0]]
-    for kernel in kernels:
+    for key in keys:
         cells = []
         for label in labels:
-            us = times[label].get(kernel)
-            ratio = f" ({us / first[kernel]:.3f})" if us and first.get(kernel) else ""
-            cells.append("-" if us is None else f"{us:.1f}{ratio}")
-        print(f"| {kernel[:60]} | {' | '.join(cells)} |")
+            value = traced[label].get(key)
+            ratio = f" ({value / first[key]:.3f})" if value and first.get(key) else ""
+            cells.append("-" if value is None else f"{value:.4g}{ratio}")
+        print(f"| {key[:60]} | {' | '.join(cells)} |")
 
 
 def main() -> int:
@@ -147,6 +159,7 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=2, help="copies of the module, loaded anew")
     parser.add_argument("--no-mha", action="store_true", help="leave JAX's mha out (CPU runs)")
     parser.add_argument("--copies-first", action="store_true")
+    parser.add_argument("--mha-last", action="store_true", help="mha compiled and warmed last")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="kernel times under the profiler")
@@ -168,13 +181,12 @@ def main() -> int:
     for case in cases:
         sets = [inputs(case, seed) for seed in (0, 1)]
         for backward in [p == "bwd" for p in args.passes.split(",")]:
-            fns = (
-                {}
-                if args.no_mha
-                else {"mha": jax.jit(fwd_bwd(mha(case)) if backward else mha(case))}
-            )
+            fns = {}
             for backend in backends:
                 fns |= programs(case, backward, backend, args.jits, copies, args.copies_first)
+            if not args.no_mha:
+                peer = {"mha": jax.jit(fwd_bwd(mha(case)) if backward else mha(case))}
+                fns = fns | peer if args.mha_last else peer | fns
             baseline = next(label for label in fns if label != "mha")
             done = check_then_time(
                 case, backward, fns, baseline, sets, args.calls, args.rounds, max_error=2e-2
@@ -187,18 +199,20 @@ def main() -> int:
                         r["copies_spread"] = spread
             ours = {k: f for k, f in fns.items() if k != "mha"}
             passed = [s[: 4 if backward else 3] for s in sets]
-            same = same_hlo(ours, passed[0])
+            differences = same_hlo(ours, passed[0])
             for r in done:
-                r["same_hlo"] = same
+                r["same_hlo"] = not differences
             if args.trace:
-                times = kernel_times(fns, passed, args.calls, args.trace_rounds)
-                print_kernel_times(times)
+                traced = traced_rounds(fns, passed, args.calls, args.trace_rounds)
+                print_traced(traced)
                 for r in done:
-                    r["kernel_us"] = times.get(r["impl"], {})
+                    r["traced"] = traced.get(r["impl"], {})
             rows += done
             print(
                 f"{case.name} {'fwd+bwd' if backward else 'fwd'}: the programs' optimized HLO"
-                f" {'the same' if same else 'differs'} ({time.time() - t0:.0f} s)"
+                f" {'differs' if differences else 'the same'} ({time.time() - t0:.0f} s)",
+                *differences,
+                sep="\n  ",
             )
     print(f"\n| case | pass | impl | ms | vs first | spread of the {', '.join(backends)} medians |")
     print(f"|{'---|' * 6}")
