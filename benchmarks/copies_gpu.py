@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import itertools
 import os
 import re
 import statistics
@@ -100,8 +101,8 @@ def traced_rounds(
     fns: dict[str, Any], sets: list[Any], calls: int, rounds: int
 ) -> dict[str, dict[str, float]]:
     """``rounds`` interleaved rounds, as timed, under JAX's profiler: for each program its median
-    ms a call (``ms``), how many calls its first kernel ran (``calls``) and each kernel's median
-    device µs (on the CPU, XLA's thunks stand in for kernels)."""
+    ms a call (``ms``), how many calls its first kernel ran (``calls``), the device's idle µs
+    between its kernels a call (``idle_us``) and each kernel's median device µs (on the CPU, XLA's thunks stand in for kernels)."""
     by_module = {f"jit_{module_name(label)}": label for label in fns}
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
@@ -112,12 +113,14 @@ def traced_rounds(
         p for p in data.planes if p.name == "/host:CPU"
     ]
     spans: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    starts_ends: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for plane in device:
         for line in plane.lines:
             for event in line.events:
                 label = by_module.get(str(dict(event.stats).get("hlo_module", "")))
                 if label is not None:
                     spans[label][event.name].append(event.duration_ns / 1e3)
+                    starts_ends[label].append((event.start_ns, event.end_ns))
     if not spans:
         seen = [(e.name, dict(e.stats)) for p in device for ln in p.lines for e in ln.events][:5]
         print(f"no profiled event named a program's module; the first events: {seen}")
@@ -125,10 +128,20 @@ def traced_rounds(
         label: {
             "ms": statistics.median(readings[label]),
             "calls": len(next(iter(spans[label].values()), [])),
+            "idle_us": idle_per_call(starts_ends[label], len(spans[label])),
             **{kernel: statistics.median(us) for kernel, us in spans[label].items()},
         }
         for label in fns
     }
+
+
+def idle_per_call(spans: list[tuple[int, int]], kernels_a_call: int) -> float:
+    """Mean µs a call that the device spent between one program's kernels within its batches (gaps
+    under 0.5 ms; longer ones are the turns of other programs)."""
+    spans = sorted(spans)
+    gaps = [b[0] - a[1] for a, b in itertools.pairwise(spans)]
+    calls = len(spans) / max(kernels_a_call, 1)
+    return sum(g for g in gaps if 0 <= g < 500_000) / 1e3 / max(calls, 1)
 
 
 def print_traced(traced: dict[str, dict[str, float]]) -> None:
@@ -136,8 +149,8 @@ def print_traced(traced: dict[str, dict[str, float]]) -> None:
     ratio to the first program's."""
     labels = list(traced)
     first = traced[labels[0]]
-    kernels = {k for t in traced.values() for k in t} - {"ms", "calls"}
-    keys = ["ms", "calls", *sorted(kernels, key=lambda k: -first.get(k, 0))]
+    kernels = {k for t in traced.values() for k in t} - {"ms", "calls", "idle_us"}
+    keys = ["ms", "calls", "idle_us", *sorted(kernels, key=lambda k: -first.get(k, 0))]
     print(f"\n| traced rounds | {' | '.join(labels)} |")
     print(f"|{'---|' * (len(labels) + 1)}")
     for key in keys:
