@@ -8,13 +8,15 @@ heuristic config, beside JAX's ``mha`` unless ``--no-mha`` (it runs only on a GP
 it prints every program's median, its ratio to the first, and the spread of the medians (the
 slowest over the fastest): an A/B in a run like this one means nothing below that spread.
 ``--copies-first`` loads and compiles the copies before this tree's kernels, to see whether the
-order of loading sets which copy is fast, and ``--mha-last`` puts ``mha`` after them. Each case also
+order of loading sets which copy is fast, and ``--mha-last`` puts ``mha`` after them. ``--pad``
+puts one more jit of this tree's kernels (``pad``, left out of the spread) between ``mha`` and them:
+the program listed next to ``mha`` read slowest in most runs (NOTES.md, eighty-second round). Each case also
 says whether the programs' optimized HLO is the same text (names aside). ``--trace`` times
 ``--trace-rounds`` more rounds, as timed, under JAX's profiler and prints each program's calls and
 its kernels' median device times, to say which kernel of a slow copy is slow.
 
     python3 benchmarks/copies_gpu.py [--backends triton] [--shapes 4x4096x16x128,...]
-        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first] [--mha-last]
+        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first] [--mha-last] [--pad]
         [--rounds 8] [--calls 5] [--trace] [--trace-rounds 2] [--out DIR]
 """
 
@@ -173,6 +175,9 @@ def main() -> int:
     parser.add_argument("--no-mha", action="store_true", help="leave JAX's mha out (CPU runs)")
     parser.add_argument("--copies-first", action="store_true")
     parser.add_argument("--mha-last", action="store_true", help="mha compiled and warmed last")
+    parser.add_argument(
+        "--pad", action="store_true", help="a copy of the tree's kernels beside mha"
+    )
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="kernel times under the profiler")
@@ -199,8 +204,12 @@ def main() -> int:
                 fns |= programs(case, backward, backend, args.jits, copies, args.copies_first)
             if not args.no_mha:
                 peer = {"mha": jax.jit(fwd_bwd(mha(case)) if backward else mha(case))}
+                if args.pad:  # one more copy of the tree's first backend, beside mha
+                    fn = direct(TREE[backends[0]], case)
+                    pad = {"pad": named_jit(fwd_bwd(fn) if backward else fn, "pad")}
+                    peer = pad | peer if args.mha_last else peer | pad
                 fns = fns | peer if args.mha_last else peer | fns
-            baseline = next(label for label in fns if label != "mha")
+            baseline = next(label for label in fns if label not in ("mha", "pad"))
             done = check_then_time(
                 case, backward, fns, baseline, sets, args.calls, args.rounds, max_error=2e-2
             )
@@ -210,7 +219,7 @@ def main() -> int:
                     spread = max(r["ms"] for r in ours) / min(r["ms"] for r in ours)
                     for r in ours:
                         r["copies_spread"] = spread
-            ours = {k: f for k, f in fns.items() if k != "mha"}
+            ours = {k: f for k, f in fns.items() if k not in ("mha", "pad")}
             passed = [s[: 4 if backward else 3] for s in sets]
             differences = same_hlo(ours, passed[0])
             for r in done:
