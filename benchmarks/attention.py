@@ -391,8 +391,9 @@ def check_then_time(
     """One row per implementation of ``impls`` (jitted; ``(q, k, v)`` -> out, or with ``backward``
     ``(q, k, v, do)`` -> (out, dq, dk, dv)): its largest ``error`` against ``impls[baseline]`` on the
     first input set, then, for those under ``max_error``, ``warmup`` calls and the median over
-    :func:`interleaved_ms` rounds of ``calls`` calls (ms, TFLOP/s, spread, ``vs_<baseline>``). An
-    implementation that raises gets an ``error`` entry; none is checked once ``stop()`` says so."""
+    :func:`interleaved_ms` rounds of ``calls`` calls (ms, TFLOP/s, spread, ``vs_<baseline>``; each
+    round's reading as ``rounds_ms``). An implementation that raises gets an ``error`` entry; none
+    is checked once ``stop()`` says so."""
     arity = 4 if backward else 3
     sets = [s[:arity] for s in sets]
     want = impls[baseline](*sets[0])
@@ -420,7 +421,12 @@ def check_then_time(
     flops = case.flops(backward)
     for name, ms_list in timed.items():
         ms = statistics.median(ms_list)
-        rows[name].update(ms=ms, tflops=flops / ms / 1e9, spread=max(ms_list) / min(ms_list))
+        rows[name].update(
+            ms=ms,
+            tflops=flops / ms / 1e9,
+            spread=max(ms_list) / min(ms_list),
+            rounds_ms=[round(t, 5) for t in ms_list],  # in the rounds' order
+        )
         if base and name != baseline:
             rows[name][f"vs_{baseline}"] = base / ms
     return list(rows.values())
