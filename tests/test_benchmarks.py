@@ -633,6 +633,39 @@ def test_copies_times_identical_kernels_as_separate_programs(tmp_path):
     assert "got ['cuda']" in _refusal("copies_gpu.py", "--backends", "cuda")
 
 
+def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
+    """``--pad`` times one more copy of this tree's kernels right after ``mha`` (here XLA's
+    attention stands in for it, which needs a GPU), compared with no revision."""
+    import shutil
+
+    [ab] = _benchmark_modules("revision_ab_gpu")
+    monkeypatch.setattr(
+        ab,
+        "mha",
+        lambda case: (
+            lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=case.causal, scale=case.dim**-0.5
+            )
+        ),
+    )
+    folder = tmp_path / "before"
+    folder.mkdir()
+    for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
+        shutil.copy(ROOT / "ejkfn" / "attention" / name, folder / name)
+    argv = ["revision_ab_gpu.py", "--previous", str(folder), "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--calls", "2", "--rounds", "2", "--pad", "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its neighbours
+    try:
+        assert ab.main() == 0
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = _saved(tmp_path, "revision_ab_*.json")["rows"]
+    assert [r["impl"] for r in rows] == ["mha", "pad", "pallas before", "pallas now"]
+    by_impl = {r["impl"]: r for r in rows}
+    assert "vs_previous" not in by_impl["pad"] and "vs_previous" in by_impl["pallas now"]
+    assert by_impl["pad"]["max_rel_err_vs_mha"] < 2e-2 and by_impl["pad"]["ms"] > 0
+
+
 def test_revision_ab_loads_an_earlier_revision_beside_this_one(tmp_path):
     """A copy of this tree's portable backends, loaded as an earlier revision, computes what this
     tree does and leaves the registered backends alone; a folder missing a module is refused."""
