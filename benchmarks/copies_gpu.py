@@ -18,8 +18,8 @@ says whether the programs' optimized HLO is the same text (names aside). ``--tra
 its kernels' median device times, to say which kernel of a slow copy is slow.
 
     python3 benchmarks/copies_gpu.py [--backends triton] [--shapes 4x4096x16x128,...]
-        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first] [--mha-last] [--pad]
-        [--reverse-compile]
+        [--masks both] [--passes bwd] [--jits 2] [--copies 2] [--no-mha] [--copies-first]
+        [--mha-last] [--pad] [--reverse-compile]
         [--rounds 8] [--calls 5] [--trace] [--trace-rounds 2] [--out DIR]
 """
 

@@ -61,7 +61,7 @@ def _saved(folder, pattern: str) -> dict:
 
 @pytest.mark.slow
 def test_attention_benchmark_checks_then_times(tmp_path):
-    _run("attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", "--min-batch-ms", "20", "--settle-ms", "1", "--order-seed", "5", "--out", str(tmp_path))  # fmt: skip
+    _run("attention.py", "--shapes", "1x128x2x64", "--calls", "2", "--rounds", "2", "--min-batch-ms", "20", "--settle-ms", "1", "--order-seed", "5", "--pad", "--out", str(tmp_path))  # fmt: skip
     saved = _saved(tmp_path, "attention_bench_*.json")
     assert saved["timing"] == dict(
         calls=2, rounds=2, min_batch_ms=20.0, settle_ms=1.0, order_seed=5
@@ -75,6 +75,10 @@ def test_attention_benchmark_checks_then_times(tmp_path):
     assert all(r["correct"] and r["fwd_ms"] > 0 and r["fwd_bwd_spread"] >= 1 for r in timed)
     assert all(len(r["fwd_rounds_ms"]) == len(r["fwd_bwd_rounds_ms"]) == 2 for r in timed)
     assert any("error" in r for r in results if r["impl"] == "jax.nn cudnn")  # no cuDNN on a CPU
+    # --pad: one more jit of our first kernels, listed right after JAX's mha and in no table
+    names = [r["impl"] for r in results if r["case"] == "1x128x2x64"]
+    assert names[names.index("jax pallas-triton mha") + 1] == "pad beside mha"
+    assert any(r["impl"] == "pad beside mha" for r in timed)
     [path] = tmp_path.glob("attention_bench_*.json")
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--tabulate", str(path)],
@@ -91,6 +95,7 @@ def test_attention_benchmark_checks_then_times(tmp_path):
     assert cells[1] == "-"  # no cuDNN: no ratios either
     assert cells[7] == f"{auto['fwd_tflops']:.0f} / {auto['fwd_bwd_tflops']:.0f}"
     assert any(line.startswith("| shape | best ejkfn fwd / cuDNN") for line in lines)
+    assert not any("pad" in line for line in lines)
 
 
 @pytest.mark.slow
@@ -631,6 +636,14 @@ def test_copies_times_identical_kernels_as_separate_programs(tmp_path):
     assert "| traced rounds | pallas copy 0 | pallas copy 1 | pallas tree 0 |" in out
     assert "got 1, 0" in _refusal("copies_gpu.py", "--jits", "1", "--copies", "0")
     assert "got ['cuda']" in _refusal("copies_gpu.py", "--backends", "cuda")
+
+
+def test_beside_lists_entries_right_after_an_anchor():
+    [attention] = _benchmark_modules("attention")
+    fns = {"a": 1, "mha": 2, "b": 3}
+    assert list(attention.beside(fns, "mha", {"pad": 4})) == ["a", "mha", "pad", "b"]
+    assert list(attention.beside(fns, "absent", {"pad": 4})) == ["a", "mha", "b", "pad"]
+    assert attention.beside(fns, "mha", {"pad": 4})["pad"] == 4 and list(fns) == ["a", "mha", "b"]
 
 
 def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
