@@ -26,7 +26,6 @@ its kernels' median device times, to say which kernel of a slow copy is slow.
 from __future__ import annotations
 
 import argparse
-import difflib
 import itertools
 import os
 import re
@@ -88,18 +87,30 @@ def module_name(label: str) -> str:
 
 def same_hlo(fns: dict[str, Any], args: tuple[Any, ...]) -> list[str]:
     """Where the programs' optimized HLO differs from the first's, names and source metadata
-    aside: the first lines of each difference (empty where all are the same text)."""
+    aside: for each program, its first differing line from a little before where it departs
+    (empty where all are the same text)."""
     texts = {}
     for label, fn in fns.items():
         text = fn.lower(*args).compile().as_text().replace(module_name(label), "program")
         text = text.split("\nFileNames")[0]  # the tables of the source lines that traced it
         texts[label] = re.sub(r", metadata=\{[^}]*\}", "", text).splitlines()
     first, *others = texts
-    return [
-        f"{label}: {line[:200]}"
-        for label in others
-        for line in list(difflib.unified_diff(texts[first], texts[label], lineterm="", n=0))[2:6]
-    ]
+    differences = []
+    for label in others:
+        pairs = zip(texts[first], texts[label], strict=False)
+        for number, (mine, theirs) in enumerate(pairs, start=1):
+            if mine != theirs:
+                chars = zip(mine, theirs, strict=False)
+                at = next((i for i, (a, b) in enumerate(chars) if a != b), len(mine))
+                shown = slice(max(at - 40, 0), at + 80)
+                differences.append(
+                    f"{label}, line {number}, column {at}: {mine[shown]!r} against {theirs[shown]!r}"
+                )
+                break
+        else:
+            if len(texts[first]) != len(texts[label]):
+                differences.append(f"{label}: {len(texts[label])} lines, not {len(texts[first])}")
+    return differences
 
 
 def traced_rounds(
@@ -107,7 +118,9 @@ def traced_rounds(
 ) -> dict[str, dict[str, float]]:
     """``rounds`` interleaved rounds, as timed, under JAX's profiler: for each program its median
     ms a call (``ms``), how many calls its first kernel ran (``calls``), the device's idle µs
-    between its kernels a call (``idle_us``) and each kernel's median device µs (on the CPU, XLA's thunks stand in for kernels)."""
+    between its kernels a call (``idle_us``) and each kernel's median device µs (on the CPU,
+    XLA's thunks stand in for kernels). The program listed first runs fewer calls: its warm-up
+    call, the profiler session's first, is slow, and its batches are sized from it."""
     by_module = {f"jit_{module_name(label)}": label for label in fns}
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
@@ -230,8 +243,8 @@ def main() -> int:
                     spread = max(r["ms"] for r in ours) / min(r["ms"] for r in ours)
                     for r in ours:
                         r["copies_spread"] = spread
-            ours = {k: f for k, f in fns.items() if k not in ("mha", "pad")}
-            differences = same_hlo(ours, passed[0])
+            compared = {k: f for k, f in fns.items() if k not in ("mha", "pad")}
+            differences = same_hlo(compared, passed[0])
             for r in done:
                 r["same_hlo"] = not differences
             if args.trace:

@@ -638,6 +638,39 @@ def test_copies_times_identical_kernels_as_separate_programs(tmp_path):
     assert "got ['cuda']" in _refusal("copies_gpu.py", "--backends", "cuda")
 
 
+def test_same_hlo_points_at_where_identical_programs_differ():
+    """``copies_gpu.same_hlo`` sets module names and source metadata aside and reports, for each
+    program whose text still differs from the first's, the line and column where it departs."""
+    [copies] = _benchmark_modules("copies_gpu")
+
+    class Compiled:  # stands in for jax.jit(...).lower(...).compile()
+        def __init__(self, text):
+            self.text = text
+
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            return self
+
+        def as_text(self):
+            return self.text
+
+    def program(label, key, extra=""):
+        return Compiled(
+            f"HloModule jit_{label}, key={key}\n"
+            f'ROOT %r = f32[] add(%p, %q), metadata={{op_name="jit({label})/add"}}{extra}\n'
+            f'FileNames\n1 "{label}.py"'
+        )
+
+    same = {"t 0": program("t_0", 7), "t 1": program("t_1", 7)}
+    assert copies.same_hlo(same, ()) == []
+    other = {**same, "copy 0": program("copy_0", 8), "copy 1": program("copy_1", 7, "\nx")}
+    [key, length] = copies.same_hlo(other, ())
+    assert key.startswith("copy 0, line 1, column 27:") and "key=7" in key and "key=8" in key
+    assert length == "copy 1: 3 lines, not 2"
+
+
 def test_beside_lists_entries_right_after_an_anchor():
     [attention] = _benchmark_modules("attention")
     fns = {"a": 1, "mha": 2, "b": 3}
