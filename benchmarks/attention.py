@@ -88,7 +88,7 @@ def beside(fns: dict[str, Any], anchor: str, extra: dict[str, Any]) -> dict[str,
         out[name] = fn
         if name == anchor:
             out |= extra
-    return out | extra
+    return out if anchor in fns else out | extra
 
 
 def parse_cases(shapes: str, masks: str) -> list[Case]:
@@ -884,9 +884,10 @@ def main() -> int:
     for case in cases:
         impls = {**peer_impls(case), **ejkfn_impls(case)}
         impls = {n: fn for n, fn in impls.items() if not any(text in n for text in args.skip)}
-        ours = [n for n in ("ejkfn triton/triton", *impls) if n.startswith("ejkfn ") and n in impls]
-        if args.pad and MHA in impls and ours:
-            impls = beside(impls, MHA, {PAD: impls[ours[0]]})
+        if args.pad and MHA in impls:  # our Triton kernels as the pad, else our first
+            ours = [n for n in ("ejkfn triton/triton", *impls) if n.startswith("ejkfn ")]
+            if mine := [n for n in ours if n in impls]:
+                impls = beside(impls, MHA, {PAD: impls[mine[0]]})
         arg_sets = [inputs(case, seed) for seed in (1, 2)]
         expected = Expected.of(case)
         entries: dict[str, dict[str, Any]] = {}

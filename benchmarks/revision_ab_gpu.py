@@ -15,8 +15,8 @@ not take: the first folder's kernels are then the check and the ratio's denomina
 keys a window spans before its interior runs unmasked, forward x backward).
 ``--pad`` puts one more copy of this tree's kernels, compared with nothing, between ``mha`` and the
 revisions: the program listed next to ``mha`` read slowest in most runs (NOTES.md, eighty-second
-round), and without it that is the first folder's. ``--dtype`` sets q, k and v's dtype. ``--control`` adds a second copy of this tree's kernels (as a
-revision named ``control``) and prints this tree's ratio to it: two copies of the same Triton
+round), and without it that is the first folder's. ``--dtype`` sets q, k and v's dtype.
+``--control`` adds a second copy of this tree's kernels (as a revision named ``control``) and prints this tree's ratio to it: two copies of the same Triton
 kernels read up to 4% apart in one run, with one sign at every shape (NOTES.md, eighty-first
 round), so a revision's ratio means little unless it clears that.
 
@@ -157,7 +157,7 @@ def main() -> int:
         "--pad",
         action="store_true",
         help="time one more copy of this tree's kernels right after mha, compared with nothing: "
-        "the program listed next to mha read 1-4.5%% slow in 13 of 15 runs (NOTES.md, "
+        "the program listed next to mha read 1-4.5%% slow in 13 of 16 runs (NOTES.md, "
         "eighty-second round)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
