@@ -679,6 +679,23 @@ def test_beside_lists_entries_right_after_an_anchor():
     assert attention.beside(fns, "mha", {"pad": 4})["pad"] == 4 and list(fns) == ["a", "mha", "b"]
 
 
+def test_another_program_is_traced_and_compiled_apart_from_its_function():
+    # jax.jit of the same function twice finds one trace in JAX's caches: the pad beside mha
+    # would time the very executable of the column it copies.
+    traces = []
+
+    def double(x):
+        traces.append(x)
+        return x * 2
+
+    [attention] = _benchmark_modules("attention")
+    x = jnp.ones(3)
+    jax.jit(double)(x), jax.jit(double)(x)
+    assert len(traces) == 1
+    out = jax.jit(attention.another_program(double))(x)
+    assert len(traces) == 2 and out.tolist() == [2.0, 2.0, 2.0]
+
+
 def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
     """``--pad`` times one more copy of this tree's kernels right after ``mha`` (here XLA's
     attention stands in for it, which needs a GPU), compared with no revision."""
