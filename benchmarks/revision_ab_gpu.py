@@ -13,16 +13,17 @@ for the causal grids' bands (``_backend.BAND_BYTES``; 0: one pair a band).
 not take: the first folder's kernels are then the check and the ratio's denominator instead.
 ``--split-keys 256x256,...`` adds this tree's Triton kernels with other ``WINDOW_SPLIT_KEYS`` (the
 keys a window spans before its interior runs unmasked, forward x backward).
-``--pad`` puts one more copy of this tree's kernels, compared with nothing, between ``mha`` and the
+A pad, one more copy of this tree's kernels compared with nothing, stands between ``mha`` and the
 revisions: the program listed next to ``mha`` read slowest in most runs (NOTES.md, eighty-second
-round), and without it that is the first folder's. ``--dtype`` sets q, k and v's dtype.
+and eighty-third rounds), and without it (``--no-pad``) that is the first folder's. ``--dtype``
+sets q, k and v's dtype.
 ``--control`` adds a second copy of this tree's kernels (as a revision named ``control``) and prints this tree's ratio to it: two copies of the same Triton
 kernels read up to 4% apart in one run, with one sign at every shape (NOTES.md, eighty-first
 round), so a revision's ratio means little unless it clears that.
 
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
         [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]
-        [--split-keys 256x256] [--dtype float32] [--control] [--pad] [--out DIR]
+        [--split-keys 256x256] [--dtype float32] [--control] [--no-pad] [--out DIR]
 """
 
 from __future__ import annotations
@@ -155,10 +156,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--pad",
-        action="store_true",
-        help="time one more copy of this tree's kernels right after mha, compared with nothing: "
-        "the program listed next to mha read 1-4.5%% slow in 13 of 16 runs (NOTES.md, "
-        "eighty-second round)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time one more copy of this tree's kernels right after mha, compared with nothing "
+        "(on unless --no-pad): the program listed there read up to 4.5%% slow (NOTES.md, "
+        "eighty-second and eighty-third rounds)",
     )
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--calls", type=int, default=5)
