@@ -696,9 +696,11 @@ def test_another_program_is_traced_and_compiled_apart_from_its_function():
     assert len(traces) == 2 and out.tolist() == [2.0, 2.0, 2.0]
 
 
-def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
-    """``--pad`` times one more copy of this tree's kernels right after ``mha`` (here XLA's
-    attention stands in for it, which needs a GPU), compared with no revision."""
+@pytest.mark.parametrize("flags", [[], ["--pad"], ["--no-pad"]])
+def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch, flags):
+    """The pad, on unless ``--no-pad``, times one more copy of this tree's kernels right after
+    ``mha`` (here XLA's attention stands in for it, which needs a GPU), compared with no
+    revision."""
     import shutil
 
     [ab] = _benchmark_modules("revision_ab_gpu")
@@ -715,7 +717,7 @@ def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
     folder.mkdir()
     for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
         shutil.copy(ROOT / "ejkfn" / "attention" / name, folder / name)
-    argv = ["revision_ab_gpu.py", "--previous", str(folder), "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--calls", "2", "--rounds", "2", "--pad", "--out", str(tmp_path)]  # fmt: skip
+    argv = ["revision_ab_gpu.py", "--previous", str(folder), "--backends", "pallas", "--shapes", "1x64x2x32", "--masks", "causal", "--passes", "fwd", "--calls", "2", "--rounds", "2", *flags, "--out", str(tmp_path)]  # fmt: skip
     monkeypatch.setattr(sys, "argv", argv)
     sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its neighbours
     try:
@@ -723,6 +725,9 @@ def test_revision_ab_pad_takes_the_place_next_to_mha(tmp_path, monkeypatch):
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     rows = _saved(tmp_path, "revision_ab_*.json")["rows"]
+    if flags == ["--no-pad"]:
+        assert [r["impl"] for r in rows] == ["mha", "pallas before", "pallas now"]
+        return
     assert [r["impl"] for r in rows] == ["mha", "pad", "pallas before", "pallas now"]
     by_impl = {r["impl"]: r for r in rows}
     assert "vs_previous" not in by_impl["pad"] and "vs_previous" in by_impl["pallas now"]
