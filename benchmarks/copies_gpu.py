@@ -41,6 +41,7 @@ import jax
 from attention import (
     MASKS,
     Case,
+    another_program,
     check_then_time,
     fwd_bwd,
     inputs,
@@ -74,9 +75,7 @@ def named_jit(fn: Any, label: str) -> Any:
     """``fn`` jitted as a module named after ``label`` (``jit_<label>``), which the profiler's
     kernel events carry: identical programs are told apart by it."""
 
-    def program(*args: Any) -> Any:
-        return fn(*args)
-
+    program = another_program(fn)
     program.__name__ = program.__qualname__ = module_name(label)
     return jax.jit(program)
 

@@ -16,10 +16,10 @@ keys a window spans before its interior runs unmasked, forward x backward).
 A pad, one more copy of this tree's kernels compared with nothing, stands between ``mha`` and the
 revisions: the program listed next to ``mha`` read slowest in most runs (NOTES.md, eighty-second
 and eighty-third rounds), and without it (``--no-pad``) that is the first folder's. ``--dtype``
-sets q, k and v's dtype.
-``--control`` adds a second copy of this tree's kernels (as a revision named ``control``) and prints this tree's ratio to it: two copies of the same Triton
-kernels read up to 4% apart in one run, with one sign at every shape (NOTES.md, eighty-first
-round), so a revision's ratio means little unless it clears that.
+sets q, k and v's dtype. ``--control`` adds a second copy of this tree's kernels (as a revision
+named ``control``) and prints this tree's ratio to it: two copies of the same Triton kernels read
+up to 4% apart in one run, with one sign at every shape (NOTES.md, eighty-first round), so a
+revision's ratio means little unless it clears that.
 
     python3 benchmarks/revision_ab_gpu.py --previous DIR [--shapes 4x4096x16x128,...]
         [--masks both] [--passes fwd,bwd] [--band-mib 0,16] [--window 256]
