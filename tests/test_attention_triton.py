@@ -479,12 +479,15 @@ def _compiled_rows(*options: str) -> list[dict]:
 def test_compiled_kernels_keep_their_wgmmas_in_flight():
     """Compiled for sm_90a (benchmarks/triton_sass.py, no GPU needed), no kernel of the heuristic's
     configs has ptxas serialize its wgmmas (warning C7515: a wait after every one), as the D = 64
-    causal forward did while its diagonal ran after the interior."""
+    causal forward did while its diagonal ran after the interior. Only the causal dK/dV kernels
+    spill, 8 and 24 bytes for reading delta early, which made them faster (NOTES.md,
+    eighty-fourth round)."""
     rows = _compiled_rows("--masks", "both")
     assert {(r["case"], r["kernel"]) for r in rows} >= {("8x2048x32x64 causal", "fwd")}
     assert len(rows) == 12
     for row in rows:
-        assert row["warnings"] == [] and row["spill_bytes"] == 0, row
+        bound = 24 if row["kernel"] == "dkdv" and "causal" in row["case"] else 0
+        assert row["warnings"] == [] and row["spill_bytes"] <= bound, row
         assert row["loops"], row
         for loop in row["loops"]:
             assert loop["wgmma"] > loop["wgmma_waits"] > 0, row

@@ -404,9 +404,22 @@ def _segment_span(spans, idx, lo, hi, N: tl.constexpr, OTHER: tl.constexpr, BLOC
 
 @triton.jit
 @no_type_check
+def _row_sum_parts(p, BLOCK_K: tl.constexpr, PARTS: tl.constexpr):
+    """``p``'s row sums in ``PARTS`` parts: those of its columns ``c`` with ``c % PARTS`` alike.
+
+    A wgmma accumulator gives each thread the same two columns of every 8, so with 8 parts the
+    sum stays within each thread, and the rows' sums can cross threads once, after the loop,
+    instead of by shuffles in every step (9% of the forward's stall samples at 4x4096x16x128;
+    benchmarks/NOTES.md, eighty-fourth round). Float32 products run on FMAs in other layouts,
+    where 8 parts spilled: they take one."""
+    return tl.sum(tl.reshape(p, [p.shape[0], BLOCK_K // PARTS, PARTS]), 1)
+
+
+@triton.jit
+@no_type_check
 def _fwd_inner(
     acc,
-    l_i,
+    l_parts,
     m_i,
     q,
     b,
@@ -482,7 +495,7 @@ def _fwd_inner(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_parts = l_parts * alpha[:, None] + _row_sum_parts(p, BLOCK_K, l_parts.shape[1])
         if DROP_SCALE != 1.0:  # dropout on
             p = tl.where(
                 _keep_tile(drop_key, b, h, rows, n0, BLOCK_K, HEADS, SEQ_Q, DROP_THRESH), p, 0.0
@@ -490,7 +503,7 @@ def _fwd_inner(
         v = tl.load(v_base + cols[:, None] * SVS + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    return acc, l_i, m_i
+    return acc, l_parts, m_i
 
 
 @triton.jit
@@ -574,7 +587,8 @@ def fwd_kernel(
     drop_key = _seed_key(Seed)
 
     acc = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    SUM_PARTS: tl.constexpr = 1 if DOT_PRECISION == "ieee" else 8
+    l_parts = tl.zeros([BLOCK_Q, SUM_PARTS], dtype=tl.float32)
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     lo, hi, full_lo, full_hi = _kv_blocks(
         m0, SEQ_Q, SEQ_K, BLOCK_Q, BLOCK_K, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT, SPLIT, ROW_GROUP
@@ -598,30 +612,31 @@ def fwd_kernel(
     EDGES: tl.constexpr = SPLIT and WINDOW_LEFT >= 0
     masked_lo, masked_hi, gap = _masked_run(lo, hi, full_lo, full_hi, EDGES)
     if MASKED_FIRST:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+        acc, l_parts, m_i = _fwd_inner(
+            acc, l_parts, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
             HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
             ROW_GROUP, BLOCK_K, BLOCK_D, EDGES,
         )  # fmt: skip
     if SPLIT:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+        acc, l_parts, m_i = _fwd_inner(
+            acc, l_parts, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, full_lo, full_hi, hi, 0, False, HEADS, SEQ_Q, SEQ_K, HEAD_DIM,
             SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT, WINDOW_RIGHT,
             HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION, ROW_GROUP, BLOCK_K,
             BLOCK_D, False,
         )  # fmt: skip
     if not MASKED_FIRST:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
+        acc, l_parts, m_i = _fwd_inner(
+            acc, l_parts, m_i, q, b, h, rows, k_base, v_base, bias_base, mask_base, qseg_base,
             kvseg_base, drop_key, masked_lo, masked_hi, full_lo, gap, True, HEADS, SEQ_Q, SEQ_K,
             HEAD_DIM, SKS, SVS, SBM, SBN, SMM, SMN, SCALE, SOFT_CAP, CAUSAL, WINDOW_LEFT,
             WINDOW_RIGHT, HAS_BIAS, HAS_MASK, HAS_SEG, DROP_THRESH, DROP_SCALE, DOT_PRECISION,
             ROW_GROUP, BLOCK_K, BLOCK_D, EDGES,
         )  # fmt: skip
 
+    l_i = tl.sum(l_parts, 1)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (DROP_SCALE / l_safe)[:, None]
@@ -695,6 +710,15 @@ def _dkdv_inner(
     offs_d = tl.arange(0, BLOCK_D)
     # the q blocks start on whole blocks, but after a window's gap
     CHECK_ROWS: tl.constexpr = SEQ_Q % BLOCK_Q != 0 or GAP
+    # delta read before dP's product, not after its wait, where ptxas left the read of its
+    # shared-memory copy, right before its first use: 7.7% of the kernel's stall samples at
+    # 8x2048x32x64 causal. The early read holds its registers through the step, which spills
+    # 8-24 bytes without a feature (the kernel alone 0.950x and 0.976x at 8x2048x32x64 and
+    # 4x4096x16x128 causal) and 40-236 with dropout or a soft cap, which keep the late read
+    # (benchmarks/NOTES.md, eighty-fourth round).
+    EARLY_DELTA: tl.constexpr = (
+        WANT_DK and DROP_SCALE == 1.0 and SOFT_CAP == 0 and WINDOW_LEFT < 0 and WINDOW_RIGHT < 0
+    )
     for m0 in range(start, stop, BLOCK_Q):
         if GAP:
             m0 = tl.where(m0 >= gap_at, m0 + gap, m0)
@@ -708,6 +732,8 @@ def _dkdv_inner(
             mask_base, MASKED, SCALE, SOFT_CAP, HAS_BIAS, SEQ_Q, SEQ_K, SBM, SBN, CAUSAL,
             WINDOW_LEFT, WINDOW_RIGHT, HAS_SEG, HAS_MASK, SMM, SMN, CHECK_ROWS, CHECK_COLS,
         )  # fmt: skip
+        if EARLY_DELTA:
+            delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
         do = tl.load(do_base + rows[:, None] * SDOS + offs_d[None, :], mask=q_mask, other=0.0)
         if WANT_DK:
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
@@ -721,7 +747,8 @@ def _dkdv_inner(
         elif WANT_DV:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         if WANT_DK:
-            delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
+            if not EARLY_DELTA:
+                delta = tl.load(delta_base + rows, mask=rows < SEQ_Q, other=0.0)
             ds_t = p_t * (dp_t - delta[None, :])
             if HAS_BIAS:
                 inb = (rows[None, :] < SEQ_Q) & (cols[:, None] < SEQ_K)
