@@ -2,6 +2,7 @@
 interpreter), so a change to the library or to a shared helper cannot leave them broken until the
 next run on the lent GPU."""
 
+import csv
 import dataclasses
 import importlib
 import importlib.metadata
@@ -1318,3 +1319,43 @@ def test_tune_check_reports_each_backends_largest_error(tmp_path):
     assert 0 < case["worst"]["xla/chunked"] < case["tolerance"] and not case["not_checked"]
     [cost] = saved["overhead"]
     assert set(cost["seconds"]) == {"unchecked", "checked", "unchecked again"}
+
+
+def test_revisions_for_ncu_marks_each_revision_before_its_calls(tmp_path):
+    """This tree's kernels, then each earlier revision's, each announced before its timed calls;
+    a malformed shape is refused naming it."""
+    import shutil
+
+    folder = tmp_path / "before"
+    folder.mkdir()
+    for name in ("_triton.py", "_triton_kernels.py", "_pallas_gpu.py"):
+        shutil.copy(ROOT / "ejkfn" / "attention" / name, folder / name)
+    out = _run("revisions_for_ncu.py", "--shapes", "1x64x1x32c", "--previous", str(folder), "--calls", "1")  # fmt: skip
+    marks = [line for line in out.splitlines() if line.startswith("profile: ")]
+    assert marks == ["profile: 1x64x1x32c tree", "profile: 1x64x1x32c before"]
+    assert "'1x64x32c'" in _refusal("revisions_for_ncu.py", "--shapes", "1x64x32c")
+
+
+def test_ncu_source_sums_stall_samples_by_reason_opcode_and_instruction(tmp_path):
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "stall_long_sb",
+              "stall_wait", "stall_long_sb (Not Issued)"]  # fmt: skip
+    rows = [
+        ["0x1", "FENCE.VIEW.ASYNC.S", "30", "25", "5", "99"],
+        ["0x2", "@!P0 LDGSTS.E.BYPASS.128 [R1]", "10", "0", "10", "0"],
+        ["0x3", "FADD R1, R2, -R3", "60", "50", "10", "0"],
+    ]
+    report = tmp_path / "source.csv"
+    with report.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Kernel Name", "bwd_dkdv_kernel"])
+        writer.writerow(header)
+        writer.writerows(rows)
+    out = _run("ncu_source.py", str(report), "--top", "2")
+    lines = out.splitlines()
+    assert lines[0] == "== bwd_dkdv_kernel: 3 instructions, 100 samples"
+    assert lines[1] == "  reasons: long_sb 75.0%, wait 25.0%"  # "Not Issued" columns left out
+    assert lines[2] == "  opcodes: FADD 60.0%, FENCE 30.0%, LDGSTS 10.0%"
+    assert lines[3].split()[:2] == ["0x3", "60.00%"] and "long_sb 50, wait 10" in lines[3]
+    assert len(lines) == 5  # two instructions listed
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    assert "not ncu's source page" in _refusal("ncu_source.py", str(tmp_path / "other.csv"))

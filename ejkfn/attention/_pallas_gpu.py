@@ -425,6 +425,11 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
     # max of the logits, and the scale folds into the exponent's fused multiply-add.
     raw_max = g.spec.soft_cap is None and r.bias is None and g.spec.scale > 0
     scale2 = g.spec.scale * LOG2E
+    # The row sums in parts, as the Triton forward's (``_triton_kernels._row_sum_parts``): each
+    # thread adds its own columns of every 8 and the parts cross threads once, after the loop. In
+    # XLA's build that ran 1.018-1.029x the plain sums at 4x4096x16x128 and 1.017-1.026x at
+    # 8x2048x32x64 causal, but 0.948-0.957x there without a mask (NOTES.md, eighty-fourth round).
+    parts = 8 if g.spec.causal or g.dpad > 64 else 1
 
     def body(kb: Any, carry: Any, masked: bool) -> Any:
         acc, m, den = carry
@@ -446,7 +451,10 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
             alpha = _exp2(g, m - m_use)
             p = _exp2(g, s - m_use[:, None])
-        den = den * alpha + jnp.sum(p, axis=1)
+        if parts > 1:
+            den = den * alpha[:, None] + p.reshape(bq, bk // parts, parts).sum(axis=1)
+        else:
+            den = den * alpha + jnp.sum(p, axis=1)
         if seed is not None:
             p = jnp.where(_keep_tile(g, seed, b, h, rows, k0), p * inv_keep, 0.0)
         acc = acc * alpha[:, None] + _dot(g, p.astype(v.dtype), v)
@@ -455,12 +463,14 @@ def _fwd_kernel(*refs: Any, g: _Geom, tiles: Any) -> None:
     carry = (
         jnp.zeros((bq, g.dpad), jnp.float32),
         jnp.full((bq,), -jnp.inf, jnp.float32),
-        jnp.zeros((bq,), jnp.float32),
+        jnp.zeros((bq, parts) if parts > 1 else (bq,), jnp.float32),
     )
     bounds = _kv_range(g, q0, bq, bk)
     if r.qspan is not None:
         bounds = _segment_blocks(bounds, r.qspan, bk)
     acc, m, den = _three_loops(g, bounds, body, carry, over_q=False)
+    if parts > 1:
+        den = jnp.sum(den, axis=1)
     empty = den == 0.0
     den = jnp.where(empty, 1.0, den)
     out = acc / den[:, None]
