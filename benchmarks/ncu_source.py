@@ -30,7 +30,8 @@ def _number(text: str) -> float:
 
 
 def kernels(path: Path) -> dict[str, list[dict[str, str]]]:
-    """kernel name -> its instructions' rows (each ``Kernel Name`` line starts a kernel's table)."""
+    """kernel name -> its instructions' rows (each ``Kernel Name`` line starts a kernel's table;
+    launches of one kernel are counted together)."""
     found: dict[str, list[dict[str, str]]] = {}
     rows = list(csv.reader(path.open()))
     i = 0
