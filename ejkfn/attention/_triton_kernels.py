@@ -713,9 +713,9 @@ def _dkdv_inner(
     # delta read before dP's product, not after its wait, where ptxas left the read of its
     # shared-memory copy, right before its first use: 7.7% of the kernel's stall samples at
     # 8x2048x32x64 causal. The early read holds its registers through the step, which spills
-    # 8-24 bytes without a feature (the kernel alone 0.950x and 0.976x at 8x2048x32x64 and
-    # 4x4096x16x128 causal) and 40-236 with dropout or a soft cap, which keep the late read
-    # (benchmarks/NOTES.md, eighty-fourth round).
+    # 8-24 bytes without a feature (the kernel alone 0.941x at 8x2048x32x64 causal, 0.975-0.987x
+    # at head dim 128), 40-236 with dropout or a soft cap and 24-32 with a window: those keep
+    # the late read (benchmarks/NOTES.md, eighty-fourth round).
     EARLY_DELTA: tl.constexpr = (
         WANT_DK and DROP_SCALE == 1.0 and SOFT_CAP == 0 and WINDOW_LEFT < 0 and WINDOW_RIGHT < 0
     )
