@@ -3,7 +3,7 @@
 Each revision (this tree's kernels, named ``tree``, then each ``--previous`` folder's, named by the
 folder, loaded as ``revision_ab_gpu.py`` loads them) runs its heuristic config once to compile and
 then ``--calls`` times, a line ``profile: <shape> <name>`` going to stdout before its timed calls,
-so a profiler's kernels match the revisions in launch order. Shapes are ``BxSxHxD``, with a
+so a profiler's kernels match the revisions in launch order. Shapes are ``BxSxHxD[xKVH]``, with a
 trailing ``c`` for causal. Nothing is checked or timed: ``revision_ab_gpu.py`` does that under load.
 
 The eighty-fourth round (NOTES.md) ran it two ways on an H200. Time, cycles and instructions of
@@ -30,7 +30,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import Case, fwd_bwd, inputs
+from attention import Case, fwd_bwd, inputs, parse_shapes
 from revision_ab_gpu import direct, previous_modules
 
 from ejkfn.attention import _pallas_gpu, _triton
@@ -39,18 +39,19 @@ TREE = {"triton": _triton, "pallas": _pallas_gpu}
 
 
 def parse_case(text: str) -> Case:
-    """``"8x2048x32x64c"``: batch x seq x heads x head dim, causal with a trailing ``c``."""
-    causal = text.endswith("c")
-    parts = text.removesuffix("c").split("x")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--shapes: expected BxSxHxD[c] with positive sizes; got {text!r}")
-    b, s, h, d = map(int, parts)
-    return Case(b, s, h, h, d, causal)
+    """``"8x2048x32x64c"``: the other scripts' ``BxSxHxD[xKVH]`` (``attention.parse_shapes``),
+    causal with a trailing ``c``."""
+    shape = text.removesuffix("c")
+    parts = shape.split("x")
+    if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--shapes: expected BxSxHxD[xKVH][c] with positive sizes; got {text!r}")
+    [(b, s, h, kvh, d)] = parse_shapes(shape)
+    return Case(b, s, h, kvh, d, text.endswith("c"))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", required=True, help="BxSxHxD[c], comma-separated")
+    parser.add_argument("--shapes", required=True, help="BxSxHxD[xKVH][c], comma-separated")
     parser.add_argument("--backend", choices=tuple(TREE), default="triton")
     parser.add_argument("--previous", nargs="*", default=[], help="earlier revisions' folders")
     parser.add_argument("--calls", type=int, default=3)
