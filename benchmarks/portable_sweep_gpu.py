@@ -26,7 +26,7 @@ from ejkfn._registry import BwdParams, FwdParams
 from ejkfn.attention import AttentionConfig, AttentionShape, AttentionSpec
 from ejkfn.attention import _pallas_gpu as pallas_triton
 from ejkfn.attention import _triton as triton
-from ejkfn.attention._backend import MIRRORED
+from ejkfn.attention._backend import MIRRORED, MIRRORED_WIDE
 
 SHAPES = "2x8192x16x128,4x4096x16x128,8x2048x32x64"
 
@@ -63,6 +63,12 @@ MIRRORED_BWDS = [
         (16, 32, 4),
         (32, 64, 8),
     )
+    for st in (2, 3, 4)
+]
+# the dQ kernel keeps kv_blocksize rows on twice the warps and streams twice q_blocksize
+MIRRORED_BWDS += [
+    _b(bq, bk, w, st, MIRRORED_WIDE)
+    for bq, bk, w in ((32, 128, 4), (16, 128, 4), (32, 64, 4), (64, 128, 8))
     for st in (2, 3, 4)
 ]
 BACKENDS = {
