@@ -12,6 +12,7 @@ backend's heuristic forward). Prints the ratios to ``mha`` and saves them under 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
@@ -100,8 +101,14 @@ def configs(case: Case, name: str, backward: bool, keep: str = "") -> dict[str, 
     k = jax.ShapeDtypeStruct((case.batch, case.seq, case.kv_heads, case.dim), "bfloat16")
     shape = AttentionShape.of(q, k, spec)
     heur_f, heur_b = module.heuristic(shape)
+    # the heuristic's backward with its dQ kernel pipelined shallower or deeper than dK/dV's
+    dq_deep = [
+        dataclasses.replace(heur_b, dq_num_stages=s)
+        for s in (heur_b.num_stages - 1, heur_b.num_stages + 1)
+        if s >= 1
+    ]
     pairs = (
-        [(heur_f, b) for b in [heur_b, *bwds]]
+        [(heur_f, b) for b in [heur_b, *bwds, *dq_deep]]
         if backward
         else [(f, heur_b) for f in [heur_f, *fwds]]
     )
@@ -114,6 +121,8 @@ def configs(case: Case, name: str, backward: bool, keep: str = "") -> dict[str, 
         label = f"{name} {p.q_blocksize}x{p.kv_blocksize} w{p.num_warps} s{p.num_stages}"
         if getattr(p, "variant", None):
             label += f" {p.variant}"
+        if getattr(p, "dq_num_stages", None):
+            label += f" dq{p.dq_num_stages}"
         if (fp, bp) == (heur_f, heur_b):
             label += " (heuristic)"
         elif not re.search(keep, label):

@@ -570,6 +570,12 @@ def test_portable_sweep_times_fitting_configs_beside_the_heuristic():
                     assert (cfg.fwd if backward else cfg.bwd) == (heur_f if backward else heur_b)
                 if case.seq >= 8192:  # long sequences leave room for alternatives
                     assert len(cfgs) > 3
+                    # the heuristic's backward with its dQ kernel on other stages
+                    dq = [c.bwd for label, c in cfgs.items() if " dq" in label]
+                    assert bool(dq) == backward
+                    assert all(
+                        b == dataclasses.replace(heur_b, dq_num_stages=b.dq_num_stages) for b in dq
+                    )
 
 
 def test_power_and_clock_reads_nvidia_smi_samples(tmp_path, monkeypatch):
