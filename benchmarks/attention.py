@@ -72,10 +72,14 @@ MASKS = {"none": (False,), "causal": (True,), "both": (False, True)}
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
-    """``"BxSxHxD[xKVH],..."`` as ``(batch, seq, heads, kv_heads, dim)`` tuples."""
+    """``"BxSxHxD[xKVH],..."`` as ``(batch, seq, heads, kv_heads, dim)`` tuples; ValueError
+    naming an item that is not four or five positive sizes."""
     shapes = []
     for item in text.split(","):
-        dims = [int(d) for d in item.split("x")]
+        parts = item.split("x")
+        if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"expected BxSxHxD[xKVH] with positive sizes; got {item!r}")
+        dims = [int(d) for d in parts]
         b, s, h, d = dims[:4]
         shapes.append((b, s, h, dims[4] if len(dims) > 4 else h, d))
     return shapes

@@ -41,11 +41,10 @@ TREE = {"triton": _triton, "pallas": _pallas_gpu}
 def parse_case(text: str) -> Case:
     """``"8x2048x32x64c"``: the other scripts' ``BxSxHxD[xKVH]`` (``attention.parse_shapes``),
     causal with a trailing ``c``."""
-    shape = text.removesuffix("c")
-    parts = shape.split("x")
-    if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"--shapes: expected BxSxHxD[xKVH][c] with positive sizes; got {text!r}")
-    [(b, s, h, kvh, d)] = parse_shapes(shape)
+    try:
+        [(b, s, h, kvh, d)] = parse_shapes(text.removesuffix("c"))
+    except ValueError:
+        raise ValueError(f"--shapes: expected BxSxHxD[xKVH][c]; got {text!r}") from None
     return Case(b, s, h, kvh, d, text.endswith("c"))
 
 
